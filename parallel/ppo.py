@@ -1,0 +1,152 @@
+"""Decoupled PPO loss and token log-probabilities (full-vocab and vocab-parallel).
+
+Pure functions over tensors. The trainer, the single-process reference in the tests and other modules all use
+these, so a layout (DP/TP/PP, micro-batching) can only change *where* terms are summed, never the formula.
+
+Conventions
+- log-probs are log_softmax(logits / temperature) over the full vocabulary, exactly like the generator records
+  behaviour log-probs (before any top-p/top-k truncation).
+- the loss is a token *sum* divided by `num_valid_tokens`, the count over the whole minibatch, so summing the
+  partial losses of any split of the minibatch gives the same number (and the same gradient).
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# decoupled PPO (AReaL): three policies, pi_theta (current), pi_prox (proximal), pi_behav (behaviour / rollout)
+
+def decoupled_ppo_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
+                        advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
+                        behav_imp_weight_cap: float | None = None) -> dict[str, torch.Tensor]:
+    """Per-token terms of the decoupled PPO objective; every tensor has the shape of `logp`.
+
+    Returns pg (clipped surrogate, already multiplied by the behaviour weight and the loss mask),
+    loss_mask (mask after cap masking, bool), clipped (bool, token where the clipped branch is active),
+    imp_weight (w = pi_prox / pi_behav, no grad).
+    """
+    shapes = {t.shape for t in (logp, prox_logp, behav_logp, advantages, mask)}
+    if len(shapes) != 1:
+        raise ValueError(f"decoupled_ppo_loss: all inputs must have the same shape, got {sorted(map(tuple, shapes))}")
+    if clip_eps <= 0:
+        raise ValueError(f"decoupled_ppo_loss: clip_eps must be > 0, got {clip_eps}")
+    valid = mask.bool()
+    prox_logp = prox_logp.detach()
+    ratio = torch.exp(logp - prox_logp)
+    clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
+    pg_unclipped = -advantages * ratio
+    pg_clipped = -advantages * clipped_ratio
+    pg = torch.maximum(pg_unclipped, pg_clipped)
+    imp_weight = torch.exp(prox_logp - behav_logp.detach()).detach()
+    loss_mask = valid
+    if behav_imp_weight_cap is not None:
+        loss_mask = valid & (imp_weight <= behav_imp_weight_cap)
+    # torch.where, not multiplication: a masked-out token must not leak inf/nan from exp() into the sum
+    pg = torch.where(loss_mask, pg * imp_weight, torch.zeros_like(pg))
+    clipped = (pg_clipped > pg_unclipped) & loss_mask
+    return {"pg": pg, "loss_mask": loss_mask, "clipped": clipped, "imp_weight": imp_weight, "valid": valid}
+
+
+def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
+                       advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
+                       behav_imp_weight_cap: float | None = None,
+                       num_valid_tokens: int | float | torch.Tensor | None = None
+                       ) -> tuple[torch.Tensor, dict[str, float]]:
+    """loss = sum(max(-A r, -A clip(r, 1-eps, 1+eps)) * w * mask) / num_valid_tokens,
+    r = exp(logp - prox_logp), w = exp(prox_logp - behav_logp) (no grad); tokens with w > cap are masked out
+    (the denominator keeps them, so masking never inflates the gradient). prox_logp == behav_logp gives standard PPO.
+
+    stats (over the tokens of `mask`): pg_clipfrac (fraction of loss tokens where the clip is active),
+    importance_weight_mean / importance_weight_max, num_valid_tokens, num_loss_tokens.
+    """
+    terms = decoupled_ppo_terms(logp, prox_logp, behav_logp, advantages, mask, clip_eps, behav_imp_weight_cap)
+    valid = terms["valid"]
+    n_valid = int(valid.sum())
+    if num_valid_tokens is None:
+        num_valid_tokens = n_valid
+    if float(num_valid_tokens) <= 0:
+        raise ValueError("decoupled_ppo_loss: num_valid_tokens must be > 0 (no response token in the batch?)")
+    loss = terms["pg"].sum() / num_valid_tokens
+    n_loss = int(terms["loss_mask"].sum())
+    w = terms["imp_weight"][valid]
+    stats = {
+        "pg_clipfrac": float(terms["clipped"].sum()) / max(n_loss, 1),
+        "importance_weight_mean": float(w.mean()) if n_valid else 0.0,
+        "importance_weight_max": float(w.max()) if n_valid else 0.0,
+        "num_valid_tokens": float(n_valid),
+        "num_loss_tokens": float(n_loss),
+    }
+    return loss, stats
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# log-probs and entropy over the full vocabulary
+
+def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [..., V], targets [...] -> (log p(target), entropy), fp32, under softmax(logits / temperature)."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.shape[:-1] != targets.shape:
+        raise ValueError(f"logits {tuple(logits.shape)} and targets {tuple(targets.shape)} do not match")
+    logp_all = F.log_softmax(logits.float() / temperature, dim=-1)
+    logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
+    entropy = -(logp_all.exp() * logp_all).sum(-1)
+    return logp, entropy
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# vocab-parallel version: each TP rank holds logits for vocab rows [vocab_start, vocab_start + V_local)
+
+class _AllReduceSum(torch.autograd.Function):
+    """Forward: all-reduce SUM over the TP group. Backward: identity.
+
+    Every TP rank computes the same replicated loss from the reduced value, so each rank's local summand receives
+    the loss gradient exactly once (Megatron's "reduce from model-parallel region")."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group) -> torch.Tensor:
+        x = x.clone()
+        dist.all_reduce(x, op=dist.ReduceOp.SUM, group=group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad, None
+
+
+def vocab_parallel_logprobs_and_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
+                                        tp_group, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same result as token_logprobs_and_entropy on the concatenated logits, without materialising them.
+
+    Communicates three [...]-sized tensors over tp_group (max, sum-exp, target logit + sum p*z); differentiable
+    w.r.t. local_logits.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if local_logits.shape[:-1] != targets.shape:
+        raise ValueError(f"local logits {tuple(local_logits.shape)} and targets {tuple(targets.shape)} do not match")
+    z = local_logits.float() / temperature
+    v_local = z.shape[-1]
+    # the max only stabilises exp(); it cancels exactly in the maths, so no gradient flows through it
+    z_max = z.detach().amax(dim=-1, keepdim=True)
+    dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=tp_group)
+    shifted = z - z_max
+    exp_shifted = shifted.exp()
+    sum_exp = _AllReduceSum.apply(exp_shifted.sum(-1), tp_group)
+    log_sum_exp = sum_exp.log()
+
+    local_target = targets.long() - vocab_start
+    in_shard = (local_target >= 0) & (local_target < v_local)
+    safe_index = torch.where(in_shard, local_target, torch.zeros_like(local_target))
+    target_shifted = shifted.gather(-1, safe_index.unsqueeze(-1)).squeeze(-1)
+    target_shifted = torch.where(in_shard, target_shifted, torch.zeros_like(target_shifted))
+    # one all-reduce for both the target logit and sum_v exp(z_v) * z_v (the entropy's expectation term)
+    stacked = torch.stack([target_shifted, (exp_shifted * shifted).sum(-1)], dim=0)
+    stacked = _AllReduceSum.apply(stacked, tp_group)
+    logp = stacked[0] - log_sum_exp
+    entropy = log_sum_exp - stacked[1] / sum_exp
+    return logp, entropy
