@@ -1,0 +1,537 @@
+"""Analytic cost model for asynchronous RL on heterogeneous GPUs (the inputs of schedule.py).
+
+Everything the planner and the simulator know about time, memory and money lives here:
+  cluster spec  -> GPUType / Machine / Cluster     (exp/clusters/*.yaml)
+  model spec    -> ModelSpec                       (any Llama/Qwen2/Mistral HF config.json)
+  workload      -> Workload                        (batch, lengths, eta, precision)
+  efficiencies  -> Efficiency                      (achieved fraction of peak, fitted by calibration)
+and the formulas: rollout replica throughput (HexGen-style roofline), memory feasibility, training step
+time (Metis-style pipeline model), weight-sync time and reward time. No torch: numbers in, numbers out.
+Units: seconds, bytes, FLOPs, tokens. GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parent
+MODELS_DIR = ROOT / "exp" / "models"
+LINK_LATENCY_S = 1e-5  # alpha of one collective or point-to-point message (HexGen uses 1e-6..1e-5)
+
+
+class SpecError(ValueError):
+    """A cluster, model or workload spec is malformed (names the file and the field)."""
+
+
+# ----------------------------------------------------------------------------- cluster
+
+@dataclass(frozen=True)
+class GPUType:
+    name: str
+    hbm_gb: float          # HBM capacity
+    tflops: float          # dense bf16 tensor-core peak
+    hbm_tbps: float        # HBM bandwidth
+    dollars_per_hour: float
+    intra_gbps: float      # GPU<->GPU bandwidth inside one machine (NVLink, one direction)
+
+
+@dataclass(frozen=True)
+class Machine:
+    index: int
+    gpu_type: str
+    gpus: int
+
+
+@dataclass
+class Cluster:
+    name: str
+    gpu_types: dict[str, GPUType]
+    machines: list[Machine]
+    inter_gbps: dict[tuple[str, str], float]                     # unordered type pair -> GB/s
+    machine_gbps: dict[tuple[int, int], float] = field(default_factory=dict)  # machine pair override
+
+    @property
+    def n_gpus(self) -> int:
+        return sum(m.gpus for m in self.machines)
+
+    def gpu(self, type_name: str) -> GPUType:
+        return self.gpu_types[type_name]
+
+    def link_gbps(self, a: int, b: int) -> float:
+        """Bandwidth between one GPU on machine a and one on machine b (a == b: NVLink)."""
+        ma, mb = self.machines[a], self.machines[b]
+        if a == b:
+            return self.gpu_types[ma.gpu_type].intra_gbps
+        key = (min(a, b), max(a, b))
+        if key in self.machine_gbps:
+            return self.machine_gbps[key]
+        return self.inter_gbps[tuple(sorted((ma.gpu_type, mb.gpu_type)))]
+
+    def group_gbps(self, machines: set[int] | list[int]) -> float:
+        """Slowest link inside a group of GPUs that lives on these machines."""
+        ms = sorted(set(machines))
+        if len(ms) == 1:
+            return self.link_gbps(ms[0], ms[0])
+        return min(self.link_gbps(a, b) for i, a in enumerate(ms) for b in ms[i + 1:])
+
+    def dollars_per_hour(self) -> float:
+        return sum(m.gpus * self.gpu_types[m.gpu_type].dollars_per_hour for m in self.machines)
+
+    def subset(self, machine_counts: dict[int, int]) -> "Cluster":
+        """The sub-cluster keeping machine_counts[i] GPUs of machine i (0 drops it); machines renumbered."""
+        keep = [(m, machine_counts.get(m.index, m.gpus)) for m in self.machines if machine_counts.get(m.index, m.gpus) > 0]
+        new_index = {m.index: i for i, (m, _) in enumerate(keep)}
+        machines = [Machine(i, m.gpu_type, n) for i, (m, n) in enumerate(keep)]
+        overrides = {(new_index[a], new_index[b]): v for (a, b), v in self.machine_gbps.items()
+                     if a in new_index and b in new_index}
+        return Cluster(self.name, dict(self.gpu_types), machines, dict(self.inter_gbps), overrides)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name,
+                "gpu_types": {k: {f: v for f, v in asdict(g).items() if f != "name"} for k, g in self.gpu_types.items()},
+                "machines": [{"gpu_type": m.gpu_type, "gpus": m.gpus} for m in self.machines],
+                "links": {"inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
+                          "machine_gbps": [[a, b, v] for (a, b), v in self.machine_gbps.items()]}}
+
+
+def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = None) -> Cluster:
+    """Parse the YAML structure documented in exp/clusters/*.yaml; nproc resizes a one-machine cluster."""
+    def need(d: dict, key: str, where: str):
+        if not isinstance(d, dict) or key not in d:
+            raise SpecError(f"{source}: missing '{key}' in {where}")
+        return d[key]
+
+    types = {}
+    for name, g in need(spec, "gpu_types", "cluster").items():
+        try:
+            types[name] = GPUType(name, float(g["hbm_gb"]), float(g["tflops"]), float(g["hbm_tbps"]),
+                                  float(g["dollars_per_hour"]), float(g["intra_gbps"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SpecError(f"{source}: gpu_types.{name} needs numeric hbm_gb, tflops, hbm_tbps, "
+                            f"dollars_per_hour, intra_gbps ({e!r})") from None
+        if min(types[name].hbm_gb, types[name].tflops, types[name].hbm_tbps, types[name].intra_gbps) <= 0:
+            raise SpecError(f"{source}: gpu_types.{name} has a non-positive capacity")
+    machines: list[Machine] = []
+    for entry in need(spec, "machines", "cluster"):
+        t = need(entry, "gpu_type", "a machines entry")
+        if t not in types:
+            raise SpecError(f"{source}: machine gpu_type '{t}' is not in gpu_types {sorted(types)}")
+        gpus, count = int(need(entry, "gpus", "a machines entry")), int(entry.get("count", 1))
+        if gpus <= 0 or count <= 0:
+            raise SpecError(f"{source}: machine of {t} needs gpus >= 1 and count >= 1")
+        machines += [Machine(len(machines) + i, t, gpus) for i in range(count)]
+    if not machines:
+        raise SpecError(f"{source}: no machines")
+    if nproc is not None:
+        if len(machines) != 1:
+            raise SpecError(f"{source}: --gpus/--nproc only resizes a one-machine cluster (this one has {len(machines)})")
+        if nproc < 2:
+            raise SpecError(f"--gpus/--nproc must be >= 2 (one rollout and one train rank), got {nproc}")
+        machines = [Machine(0, machines[0].gpu_type, nproc)]
+    links = spec.get("links", {}) or {}
+    inter: dict[tuple[str, str], float] = {}
+    for key, v in (links.get("inter_gbps") or {}).items():
+        a, _, b = str(key).partition("-")
+        if a not in types or b not in types:
+            raise SpecError(f"{source}: links.inter_gbps key '{key}' must be 'TYPE-TYPE' of known types")
+        inter[tuple(sorted((a, b)))] = float(v)
+    present = sorted({m.gpu_type for m in machines})
+    for i, a in enumerate(present):
+        for b in present[i:]:
+            if (a, b) not in inter and (len(machines) > 1):
+                raise SpecError(f"{source}: links.inter_gbps lacks '{a}-{b}'")
+    overrides = {}
+    for a, b, v in links.get("machine_gbps", []) or []:
+        overrides[(min(a, b), max(a, b))] = float(v)
+    return Cluster(str(spec.get("name", Path(source).stem)), types, machines, inter, overrides)
+
+
+def load_cluster(path: str | os.PathLike, nproc: int | None = None) -> Cluster:
+    p = Path(path)
+    if not p.exists() and (ROOT / "exp" / "clusters" / f"{path}.yaml").exists():
+        p = ROOT / "exp" / "clusters" / f"{path}.yaml"
+    if not p.exists():
+        raise SpecError(f"cluster spec not found: {path}")
+    with open(p) as f:
+        return cluster_from_dict(yaml.safe_load(f), str(p), nproc)
+
+
+# ----------------------------------------------------------------------------- model
+
+@dataclass(frozen=True)
+class ModelSpec:
+    name: str
+    layers: int
+    hidden: int
+    intermediate: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    tied: bool
+    qkv_bias: bool
+
+    @property
+    def layer_params(self) -> int:
+        q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
+        bias = (q + 2 * kv) if self.qkv_bias else 0
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden + bias
+
+    @property
+    def head_params(self) -> int:  # the LM head matmul always runs; it has its own weights only if untied
+        return self.vocab * self.hidden
+
+    @property
+    def params(self) -> int:
+        return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
+
+    def kv_bytes_per_token_layer(self, nbytes: int, tp: int = 1) -> float:
+        """K and V of one token in one layer on one TP rank (KV heads replicate once tp > kv_heads)."""
+        return 2 * max(self.kv_heads / tp, 1.0) * self.head_dim * nbytes
+
+    def layer_flops_per_token(self, context: float) -> float:
+        """Forward FLOPs of one layer for one token: 2 per weight + attention over `context` earlier tokens."""
+        return 2 * self.layer_params + 4 * self.heads * self.head_dim * context
+
+    def to_config(self) -> dict:
+        return {"_name": self.name, "num_hidden_layers": self.layers, "hidden_size": self.hidden,
+                "intermediate_size": self.intermediate, "num_attention_heads": self.heads,
+                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
+                "tie_word_embeddings": self.tied, "model_type": "qwen2" if self.qkv_bias else "llama"}
+
+
+def model_from_config(cfg: dict, name: str = "model") -> ModelSpec:
+    try:
+        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+        spec = ModelSpec(
+            name=str(cfg.get("_name", name)), layers=int(cfg["num_hidden_layers"]), hidden=hidden,
+            intermediate=int(cfg["intermediate_size"]), heads=heads,
+            kv_heads=int(cfg.get("num_key_value_heads") or heads),
+            head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
+            tied=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
+    except (KeyError, TypeError, ValueError) as e:
+        raise SpecError(f"model config {name}: missing or bad field {e}") from None
+    if min(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.vocab, spec.intermediate) <= 0:
+        raise SpecError(f"model config {name}: sizes must be positive")
+    return spec
+
+
+def load_model(ref: str | os.PathLike) -> ModelSpec:
+    """A config.json file, a directory holding one, or the name of one shipped in exp/models/."""
+    p = Path(ref)
+    if p.is_dir():
+        p = p / "config.json"
+    elif not p.exists():
+        p = MODELS_DIR / f"{Path(str(ref)).name.lower()}.json"
+    if not p.exists():
+        shipped = sorted(q.stem for q in MODELS_DIR.glob("*.json"))
+        raise SpecError(f"model config not found: {ref} (a config.json path, its directory, or one of {shipped})")
+    with open(p) as f:
+        return model_from_config(json.load(f), p.parent.name if p.name == "config.json" else p.stem)
+
+
+# ----------------------------------------------------------------------------- workload
+
+@dataclass
+class Workload:
+    prompts_per_step: int = 512
+    samples_per_prompt: int = 16
+    prompt_len: float = 512.0
+    gen_samples: list[float] = field(default_factory=lambda: [1024.0])  # output-length distribution P
+    eta: int = 4                        # staleness bound (AReaL max_head_offpolicyness)
+    precision: str = "bf16"
+    reward_s: float = 0.0               # profiled reward cost per step (a constant, paper §4.2.2)
+    ppo_minibatches: int = 4            # optimizer steps per RL step
+    microbatch_tokens: int = 16384      # training micro-batch token budget
+    max_batch: int = 256                # cap on concurrent sequences per rollout replica
+    train_passes: float = 4.0           # forward+backward = 3 forward passes, +1 for the proximal log-prob recompute
+
+    def __post_init__(self) -> None:
+        if self.prompts_per_step < 1 or self.samples_per_prompt < 1:
+            raise SpecError("workload: prompts_per_step and samples_per_prompt must be >= 1")
+        if self.prompt_len < 0 or not self.gen_samples or min(self.gen_samples) < 1:
+            raise SpecError("workload: prompt_len must be >= 0 and generation lengths >= 1")
+        if self.eta < 0:
+            raise SpecError(f"workload: eta must be >= 0, got {self.eta}")
+        if self.precision not in PRECISION_BYTES:
+            raise SpecError(f"workload: precision must be one of {sorted(PRECISION_BYTES)}, got {self.precision!r}")
+        if self.ppo_minibatches < 1 or self.microbatch_tokens < 1 or self.max_batch < 1:
+            raise SpecError("workload: ppo_minibatches, microbatch_tokens and max_batch must be >= 1")
+
+    @staticmethod
+    def from_quantiles(mean: float, quantiles: dict[float, float] | None = None, n: int = 64, **kw) -> "Workload":
+        """Build P from a mean and a few quantiles {q: length} (piecewise linear, rescaled to the mean)."""
+        if not quantiles:
+            return Workload(gen_samples=[float(mean)], **kw)
+        pts = sorted({0.0: min(quantiles.values()) * 0.5, **quantiles, 1.0: max(quantiles.values())}.items())
+        qs = [(i + 0.5) / n for i in range(n)]
+        samples = []
+        for q in qs:
+            for (q0, v0), (q1, v1) in zip(pts, pts[1:]):
+                if q0 <= q <= q1:
+                    samples.append(v0 + (v1 - v0) * (q - q0) / max(q1 - q0, 1e-12))
+                    break
+        scale = mean / (sum(samples) / len(samples))
+        return Workload(gen_samples=[max(1.0, s * scale) for s in samples], **kw)
+
+    @property
+    def batch(self) -> int:  # sequences per RL step (B)
+        return self.prompts_per_step * self.samples_per_prompt
+
+    @property
+    def bytes(self) -> int:
+        return PRECISION_BYTES[self.precision]
+
+    @property
+    def gen_mean(self) -> float:
+        return sum(self.gen_samples) / len(self.gen_samples)
+
+    @property
+    def gen_max(self) -> float:
+        return max(self.gen_samples)
+
+    @property
+    def decode_context(self) -> float:
+        """Mean context a running sequence holds under continuous batching: prompt + E[g^2] / (2 E[g])."""
+        g2 = sum(g * g for g in self.gen_samples) / len(self.gen_samples)
+        return self.prompt_len + g2 / (2 * self.gen_mean)
+
+    @property
+    def tokens_per_step(self) -> float:
+        return self.batch * (self.prompt_len + self.gen_mean)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
+
+
+# ----------------------------------------------------------------------------- efficiency
+
+@dataclass
+class TypeEfficiency:
+    mfu_train: float = 0.35   # achieved / peak FLOP/s in training
+    mfu_infer: float = 0.5    # achieved / peak FLOP/s in decode and prefill
+    hbm_eff: float = 0.7      # achieved / peak HBM bandwidth in decode
+
+
+@dataclass
+class Efficiency:
+    per_type: dict[str, TypeEfficiency] = field(default_factory=dict)
+    link_eff: float = 0.5          # achieved / nominal bandwidth of weight-sync transfers
+    sync_latency_s: float = 1.0    # fixed cost of one weight update (pause, bucket handshakes, reload)
+    mem_frac: float = 0.9          # usable fraction of HBM
+
+    def of(self, type_name: str) -> TypeEfficiency:
+        return self.per_type.get(type_name) or self.per_type.get("*") or TypeEfficiency()
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @staticmethod
+    def from_dict(d: dict | None) -> "Efficiency":
+        d = dict(d or {})
+        per = {k: TypeEfficiency(**v) for k, v in (d.pop("per_type", None) or {}).items()}
+        return Efficiency(per_type=per, **d)
+
+    @staticmethod
+    def load(path: str | os.PathLike | None) -> "Efficiency":
+        if path is None:
+            return Efficiency()
+        with open(path) as f:
+            return Efficiency.from_dict(yaml.safe_load(f))
+
+
+# ----------------------------------------------------------------------------- rollout
+
+def split_layers(layers: int, parts: int) -> list[int]:
+    base, extra = divmod(layers, parts)
+    return [base + (1 if i < extra else 0) for i in range(parts)]
+
+
+@dataclass(frozen=True)
+class ReplicaCost:
+    batch: int            # concurrent sequences that fit (continuous batching)
+    round_s: float        # one decode step of the whole batch
+    tokens_per_s: float   # h_psi: generated tokens / s
+    prefill_tflops: float  # achieved FLOP/s available for prefill (TFLOP/s)
+
+
+def decode_round_s(model: ModelSpec, gpu: GPUType, eff: TypeEfficiency, tp: int, pp: int, batch: float,
+                   context: float, nbytes: int, pp_gbps: float) -> float:
+    """Time for one decode step of `batch` sequences on a tp x pp replica (roofline per stage).
+
+    Stage k holds l_k layers and serves the batch as pp micro-batches, so per step each of its GPUs reads
+      its weights pp times (once per micro-batch): pp * W_k / tp bytes, plus the KV cache of all `batch`
+      sequences for its layers: batch * context * kv_layer * l_k bytes          -> / (hbm_tbps * hbm_eff)
+    and computes batch * l_k * layer_flops(context) / tp (+ the LM head on the last stage)
+                                                                              -> / (tflops * mfu_infer)
+    taking the max of the two (a roofline; HexGen adds them). TP adds 2 all-reduces of batch*H per layer
+    over NVLink; PP adds batch*H bytes per stage boundary. The step time is the slowest stage.
+    """
+    hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff
+    flops = gpu.tflops * 1e12 * eff.mfu_infer
+    kv_layer = model.kv_bytes_per_token_layer(nbytes, tp)
+    stage_layers = split_layers(model.layers, pp)
+    tp_comm = 0.0
+    if tp > 1:
+        tp_comm = 2 * (LINK_LATENCY_S + 2 * (tp - 1) / tp * batch * model.hidden * nbytes / (gpu.intra_gbps * 1e9))
+    pp_comm = LINK_LATENCY_S * pp + batch * model.hidden * nbytes / (pp_gbps * 1e9) if pp > 1 else 0.0
+    worst = 0.0
+    for k, lk in enumerate(stage_layers):
+        head = model.head_params if k == pp - 1 else 0
+        weight_bytes = (lk * model.layer_params + head) * nbytes / tp
+        mem_bytes = pp * weight_bytes + batch * context * kv_layer * lk
+        compute = batch * (lk * model.layer_flops_per_token(context) + 2 * head) / tp
+        worst = max(worst, max(mem_bytes / hbm, compute / flops) + lk * tp_comm)
+    return worst + pp_comm
+
+
+def replica_memory_batch(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, mem_frac: float) -> int:
+    """Most concurrent sequences whose KV cache fits next to the weights on every GPU of the replica."""
+    nbytes = wl.bytes
+    kv_seq_layer = model.kv_bytes_per_token_layer(nbytes, tp) * wl.decode_context * 1.1  # 10% paging slack
+    best = None
+    for k, lk in enumerate(split_layers(model.layers, pp)):
+        weights = (lk * model.layer_params + (model.head_params if k in (0, pp - 1) else 0)) * nbytes / tp
+        workspace = 0.5e9 + 0.02 * gpu.hbm_gb * 1e9  # activations, CUDA graphs, allocator fragmentation
+        free = gpu.hbm_gb * 1e9 * mem_frac - weights - workspace
+        fit = int(free // (kv_seq_layer * lk)) if free > 0 else 0
+        best = fit if best is None else min(best, fit)
+    return max(best or 0, 0)
+
+
+def replica_cost(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, eff: Efficiency,
+                 pp_gbps: float) -> ReplicaCost | None:
+    """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit."""
+    batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac), wl.max_batch)
+    if batch < 1:
+        return None
+    te = eff.of(gpu.name)
+    round_s = decode_round_s(model, gpu, te, tp, pp, batch, wl.decode_context, wl.bytes, pp_gbps)
+    return ReplicaCost(batch, round_s, batch / round_s, tp * pp * gpu.tflops * te.mfu_infer)
+
+
+def rollout_seconds(model: ModelSpec, wl: Workload, tokens_per_s: float, prefill_tflops: float,
+                    tail_tokens_per_s: float) -> float:
+    """C_ROLLOUT per step: decode B*E[g] tokens at the aggregate rate Sigma y*h, plus prefill
+    (2 * params * prompt FLOPs per sequence on the replicas' compute). The window of delta = eta + 1
+    steps bounds how much of the longest sequence's decode time can't be hidden: max(g) / rate_of_one_seq
+    spread over delta steps (eta = 0 is synchronous: the tail counts fully)."""
+    if tokens_per_s <= 0:
+        return math.inf
+    decode = wl.batch * wl.gen_mean / tokens_per_s
+    prefill = wl.batch * wl.prompt_len * 2 * model.params / (prefill_tflops * 1e12)
+    tail = wl.gen_max / tail_tokens_per_s / (wl.eta + 1)
+    return max(decode, tail) + prefill
+
+
+# ----------------------------------------------------------------------------- training
+
+@dataclass(frozen=True)
+class StageSpec:
+    gpu_type: str
+    layers: int
+    machines: tuple[int, ...]  # machines its dp*tp GPUs live on
+    tp_gbps: float             # slowest link inside a TP group
+    dp_gbps: float             # slowest link inside a DP group
+    next_gbps: float           # link to the next stage (0 for the last)
+
+
+def train_memory_bytes(model: ModelSpec, stage_layers: int, last: bool, first: bool, dp: int, tp: int,
+                       pp_rank: int, pp: int, wl: Workload) -> float:
+    """Per-GPU training memory: bf16 weights (2 B/param) + fp32 grads (4) + Adam master/m/v (12, sharded
+    over dp as in a distributed optimizer), activations with full recompute (layer inputs of the micro-batches
+    in flight under 1F1B, plus one layer's working set ~34*mb*H bytes), and fp32 logits on the last stage."""
+    params = stage_layers * model.layer_params + (model.head_params if last or (first and not model.tied) else 0)
+    states = params / tp * (2 + 4 + 12 / dp)
+    mb = wl.microbatch_tokens
+    in_flight = max(1, pp - pp_rank)
+    acts = (in_flight * stage_layers * mb * model.hidden * 2 + 34 * mb * model.hidden) / tp
+    logits = mb * model.vocab * 4 * 2 / tp if last else 0.0
+    return states + acts + logits
+
+
+def train_step_seconds(model: ModelSpec, stages: list[StageSpec], dp: int, tp: int, gpu_types: dict[str, GPUType],
+                       wl: Workload, eff: Efficiency) -> float:
+    """C_TRAIN per RL step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
+      per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
+                                       + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
+                                       + PP send of mb*H bytes per pass to the next stage
+      pipeline per minibatch = sum_k t_k + (m - 1) * max_k t_k      (1F1B bubble, m micro-batches per replica)
+      + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)."""
+    nbytes = wl.bytes
+    context = wl.decode_context  # mean attention span of a token in a packed sequence
+    mb = wl.microbatch_tokens
+    tokens_per_minibatch = wl.tokens_per_step / wl.ppo_minibatches
+    m = max(1, math.ceil(tokens_per_minibatch / (dp * mb)))
+    passes = wl.train_passes
+    times = []
+    dp_sync = opt = 0.0
+    for k, st in enumerate(stages):
+        gpu, te = gpu_types[st.gpu_type], eff.of(st.gpu_type)
+        last = k == len(stages) - 1
+        flops = passes * mb * (st.layers * model.layer_flops_per_token(context) + (2 * model.head_params if last else 0))
+        t = flops / (tp * gpu.tflops * 1e12 * te.mfu_train)
+        if tp > 1:
+            ar_bytes = 2 * (tp - 1) / tp * mb * model.hidden * nbytes
+            t += 2 * passes * st.layers * (LINK_LATENCY_S + ar_bytes / (st.tp_gbps * 1e9))
+        if not last:
+            t += passes * (LINK_LATENCY_S + mb * model.hidden * nbytes / (st.next_gbps * 1e9))
+        times.append(t)
+        params = (st.layers * model.layer_params + (model.head_params if last else 0)) / tp
+        if dp > 1:
+            dp_sync = max(dp_sync, LINK_LATENCY_S + 2 * (dp - 1) / dp * params * 4 / (st.dp_gbps * 1e9))
+        opt = max(opt, params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff))
+    pipeline = sum(times) + (m - 1) * max(times)
+    return wl.ppo_minibatches * (pipeline + dp_sync + opt)
+
+
+def train_tokens_per_s(wl: Workload, train_s: float) -> float:
+    return wl.tokens_per_step / train_s if train_s > 0 else 0.0
+
+
+# ----------------------------------------------------------------------------- weight sync, step
+
+def sync_seconds(model: ModelSpec, wl: Workload, eff: Efficiency, slowest_gbps: float) -> float:
+    """C_UPDATE: the new bf16 weights cross the slowest trainer->rollout-machine link once (NCCL broadcast
+    is pipelined, so the fan-out inside a machine and across replicas overlaps with it)."""
+    return eff.sync_latency_s + model.params * wl.bytes / (eff.link_eff * slowest_gbps * 1e9)
+
+
+def step_seconds(rollout_s: float, train_s: float, sync_s: float, wl: Workload) -> float:
+    """Paper §4.4: step = weight sync + max(rollout + reward, train); eta = 0 runs them back to back."""
+    if wl.eta == 0:
+        return sync_s + rollout_s + wl.reward_s + train_s
+    return sync_s + max(rollout_s + wl.reward_s, train_s)
+
+
+# ----------------------------------------------------------------------------- local profile (cpu cluster)
+
+def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
+    """Measure one process's matmul FLOP/s and memcpy bandwidth with numpy (< `seconds` in total)."""
+    import time
+
+    import numpy as np
+    n = 256
+    a, b = np.random.rand(n, n).astype(np.float32), np.random.rand(n, n).astype(np.float32)
+    t0, reps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds / 2:
+        a @ b
+        reps += 1
+    tflops = 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    src = np.ones(8 * 1024 * 1024, dtype=np.float32)
+    dst = np.empty_like(src)
+    t0, reps = time.perf_counter(), 0
+    while time.perf_counter() - t0 < seconds / 2:
+        np.copyto(dst, src)
+        reps += 1
+    tbps = 2 * src.nbytes * reps / (time.perf_counter() - t0) / 1e12
+    return {"tflops": tflops, "hbm_tbps": tbps}

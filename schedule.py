@@ -1,0 +1,917 @@
+"""AReaL-Hex planner: split a heterogeneous cluster into trainer and rollout GPUs and plan both sides.
+
+    python schedule.py --cluster exp/clusters/hetero_56.yaml --model deepseek-r1-distill-qwen-7b --out plan.json --plot
+    python schedule.py --cluster exp/clusters/cpu.yaml --model exp/tiny-model --nproc 4 --out plan.json
+    python schedule.py calibrate --plan plan.json --rollout-s 145 --train-s 95 --sync-s 4.75 --out eff.yaml
+
+The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
+  Phase 1a  train_plan      enumerate DP x TP x PP (TP/DP groups of one GPU type, stages may differ in type),
+                            layers per stage proportional to stage compute, then rebalanced for memory; fastest wins.
+  Phase 1b  rollout_plan    a MILP (python-mip/CBC) over replica configs psi = (type, TP inside a machine, PP):
+                            maximise sum_psi y_psi h_psi under per-machine TP packing. Eq. 2 (min makespan Theta with
+                            x_psi * len / (y_psi h_psi) <= Theta) is bilinear in (Theta, y); with continuous x_psi the
+                            optimum assigns work proportional to throughput, x_psi = B y_psi h_psi / sum y h, so
+                            Theta* = B len / sum y h and minimising Theta == maximising sum y h: an integer knapsack.
+  Phase 2   partition       GPUs grouped per machine in a networkx graph; Eq. 3 picks the trainer set that maximises
+                            training-side link bandwidth + rollout-side HBM bandwidth at a compute share gamma;
+                            gamma is bisected until C_T ~ C_I (both directions, so training-bound workloads work too),
+                            then phases alternate with local moves until the step time is stable for K rounds.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import sys
+import time
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+import networkx as nx
+
+import cost_model as cm
+from cost_model import Cluster, Efficiency, ModelSpec, ReplicaCost, StageSpec, Workload
+
+
+class PlanError(ValueError):
+    """No plan satisfies the inputs; the message names the violated constraint."""
+
+
+# ----------------------------------------------------------------------------- plan pieces
+
+@dataclass
+class TrainPlan:
+    dp: int
+    tp: int
+    pp: int
+    stages: list[tuple[str, int, list[int]]]   # (gpu_type, layers, gpu ids in tp-fastest order)
+    seconds: float
+
+
+@dataclass(frozen=True)
+class ReplicaConfig:
+    gpu_type: str
+    tp: int
+    pp: int
+    cost: ReplicaCost
+
+
+@dataclass
+class RolloutPlan:
+    replicas: list[tuple[ReplicaConfig, list[int]]]  # config, gpu ids (stage-major, tp-fastest)
+    tokens_per_s: float
+    prefill_tflops: float
+    seq_tokens_per_s: float                          # decode speed of one sequence on the fastest replica
+
+
+@dataclass
+class Evaluation:
+    train_counts: tuple[int, ...]                    # train GPUs per machine (the first k of each machine)
+    train: TrainPlan | None
+    rollout: RolloutPlan | None
+    train_s: float
+    rollout_s: float
+    sync_s: float
+    step_s: float
+    tokens_per_s: float
+
+    @property
+    def c_t(self) -> float:
+        return self.train_s
+
+    @property
+    def c_i(self) -> float:
+        return self.rollout_s + self.sync_s
+
+
+@dataclass
+class SolverStats:
+    seconds: float = 0.0
+    iterations: int = 0
+    evaluations: int = 0
+    milp_solves: int = 0
+    status: str = "optimal"
+    history: list[float] = field(default_factory=list)
+
+
+def powers_of_two(limit: int) -> list[int]:
+    return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
+
+
+# ----------------------------------------------------------------------------- the planner
+
+class Planner:
+    def __init__(self, cluster: Cluster, model: ModelSpec, wl: Workload, eff: Efficiency | None = None,
+                 max_seconds: float = 10.0, forced_layout: tuple[int, int, int] | None = None) -> None:
+        self.cluster, self.model, self.wl = cluster, model, wl
+        self.eff = eff or Efficiency()
+        self.max_seconds = max_seconds
+        self.forced_layout = forced_layout
+        self.stats = SolverStats()
+        # global GPU ids in cluster order; machine m owns ids first[m] .. first[m] + gpus - 1
+        self.first, n = [], 0
+        for m in cluster.machines:
+            self.first.append(n)
+            n += m.gpus
+        self.gpu_machine = [m.index for m in cluster.machines for _ in range(m.gpus)]
+        self.types = sorted({m.gpu_type for m in cluster.machines})
+        self._eval_cache: dict[tuple[int, ...], Evaluation] = {}
+        self._rollout_cache: dict[tuple, tuple[float, list]] = {}
+        self._configs_cache: dict[str, list[ReplicaConfig]] = {}
+
+    # ------------------------------------------------------------------ Phase 1a: training plan
+    def train_plan(self, train_counts: tuple[int, ...]) -> TrainPlan | None:
+        per_type: dict[str, list[int]] = {}
+        for m, k in zip(self.cluster.machines, train_counts):
+            per_type.setdefault(m.gpu_type, []).extend(range(self.first[m.index], self.first[m.index] + k))
+        per_type = {t: ids for t, ids in per_type.items() if ids}
+        total = sum(len(ids) for ids in per_type.values())
+        if total == 0:
+            return None
+        g = math.gcd(*[len(ids) for ids in per_type.values()])
+        best: TrainPlan | None = None
+        for group in (d for d in range(1, g + 1) if g % d == 0):     # group = dp * tp GPUs of one stage
+            pp = total // group
+            if pp > self.model.layers:
+                continue
+            for tp in (t for t in range(1, group + 1) if group % t == 0 and self.model.heads % t == 0):
+                dp = group // tp
+                if self.forced_layout and (dp, tp, pp) != self.forced_layout:
+                    continue
+                for order in itertools.permutations(sorted(per_type)):
+                    plan = self._layout(per_type, order, dp, tp, pp)
+                    if plan and (best is None or plan.seconds < best.seconds):
+                        best = plan
+        return best
+
+    def _layout(self, per_type: dict[str, list[int]], order: tuple[str, ...], dp: int, tp: int, pp: int) -> TrainPlan | None:
+        ids = [i for t in order for i in per_type[t]]
+        group = dp * tp
+        blocks = [ids[k * group:(k + 1) * group] for k in range(pp)]
+        types = [self.cluster.machines[self.gpu_machine[b[0]]].gpu_type for b in blocks]
+        gm = self.gpu_machine
+        specs = []
+        for k, b in enumerate(blocks):
+            tp_groups = [b[j * tp:(j + 1) * tp] for j in range(dp)]
+            dp_groups = [b[j::tp] for j in range(tp)]
+            tp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in tp_groups)
+            dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
+            nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
+            specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
+        layers = self._split_layers(types, dp, tp, pp)
+        if layers is None:
+            return None
+        stages = [StageSpec(t, l, ms, a, b, c) for (t, ms, a, b, c), l in zip(specs, layers)]
+        secs = cm.train_step_seconds(self.model, stages, dp, tp, self.cluster.gpu_types, self.wl, self.eff)
+        return TrainPlan(dp, tp, pp, [(t, l, b) for t, l, b in zip(types, layers, blocks)], secs)
+
+    def _split_layers(self, types: list[str], dp: int, tp: int, pp: int) -> list[int] | None:
+        """Layers per stage proportional to stage compute (the LM head counts on the last stage), then
+        moved off stages that exceed memory, then greedily off the slowest stage while that helps."""
+        L, mdl = self.model.layers, self.model
+        speed = [self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train for t in types]
+        f_layer = mdl.layer_flops_per_token(self.wl.decode_context)
+        f_head = 2 * mdl.head_params
+        head = [0.0] * (pp - 1) + [f_head]
+        target = (L * f_layer + f_head) / sum(speed)
+        ideal = [max(1.0, (target * s - h) / f_layer) for s, h in zip(speed, head)]
+        layers = [max(1, int(x)) for x in ideal]
+        while sum(layers) > L:
+            k = max((i for i in range(pp) if layers[i] > 1), key=lambda i: layers[i] - ideal[i], default=None)
+            if k is None:
+                return None
+            layers[k] -= 1
+        while sum(layers) < L:
+            layers[min(range(pp), key=lambda i: layers[i] - ideal[i])] += 1
+
+        def mem_ok(k: int, lk: int) -> bool:
+            need = cm.train_memory_bytes(mdl, lk, k == pp - 1, k == 0, dp, tp, k, pp, self.wl)
+            return need <= self.cluster.gpu(types[k]).hbm_gb * 1e9 * self.eff.mem_frac
+
+        def time_of(k: int, lk: int) -> float:
+            return (lk * f_layer + head[k]) / speed[k]
+
+        for _ in range(L * pp):                                   # memory rebalance
+            over = [k for k in range(pp) if not mem_ok(k, layers[k])]
+            if not over:
+                break
+            k = over[0]
+            dst = [j for j in range(pp) if j != k and mem_ok(j, layers[j] + 1)]
+            if layers[k] <= 1 or not dst:
+                return None
+            layers[k] -= 1
+            layers[min(dst, key=lambda j: time_of(j, layers[j] + 1))] += 1
+        if any(not mem_ok(k, layers[k]) for k in range(pp)):
+            return None
+        for _ in range(L):                                        # balance: shave the slowest stage
+            slow = max(range(pp), key=lambda k: time_of(k, layers[k]))
+            if layers[slow] <= 1:
+                break
+            cands = [j for j in range(pp) if j != slow and mem_ok(j, layers[j] + 1)
+                     and time_of(j, layers[j] + 1) < time_of(slow, layers[slow])]
+            if not cands:
+                break
+            layers[slow] -= 1
+            layers[min(cands, key=lambda j: time_of(j, layers[j] + 1))] += 1
+        return layers
+
+    # ------------------------------------------------------------------ Phase 1b: rollout plan
+    def replica_configs(self, gpu_type: str) -> list[ReplicaConfig]:
+        if gpu_type not in self._configs_cache:
+            gpu = self.cluster.gpu(gpu_type)
+            max_tp = max(m.gpus for m in self.cluster.machines if m.gpu_type == gpu_type)
+            n_type = sum(m.gpus for m in self.cluster.machines if m.gpu_type == gpu_type)
+            inter = self.cluster.inter_gbps.get((gpu_type, gpu_type), gpu.intra_gbps)
+            out = []
+            for tp in powers_of_two(max_tp):
+                if self.model.heads % tp:
+                    continue
+                for pp in range(1, min(8, self.model.layers) + 1):
+                    if tp * pp > n_type:
+                        break
+                    link = gpu.intra_gbps if tp * pp <= max_tp else inter
+                    cost = cm.replica_cost(self.model, gpu, tp, pp, self.wl, self.eff, link)
+                    if cost:
+                        out.append(ReplicaConfig(gpu_type, tp, pp, cost))
+            self._configs_cache[gpu_type] = out
+        return self._configs_cache[gpu_type]
+
+    def _type_rollout_milp(self, gpu_type: str, free: tuple[int, ...]) -> tuple[float, dict]:
+        """Max sum y_psi h_psi for one GPU type, `free` = rollout GPUs per machine (sorted). Returns
+        (tokens/s, {"y": {config index: count}, "patterns": [(machine slot, [tp sizes])]})."""
+        import mip
+        configs = self.replica_configs(gpu_type)
+        tps = sorted({c.tp for c in configs})
+        if not configs or sum(free) == 0:
+            return 0.0, {"y": {}, "patterns": []}
+        classes = sorted(set(free))
+        patterns = {r: _tp_patterns(r, tuple(tps)) for r in classes}
+        model = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
+        model.verbose = 0
+        y = [model.add_var(var_type=mip.INTEGER, lb=0) for _ in configs]
+        w = {(r, j): model.add_var(var_type=mip.INTEGER, lb=0) for r in classes for j in range(len(patterns[r]))}
+        for r in classes:
+            model += mip.xsum(w[r, j] for j in range(len(patterns[r]))) == free.count(r)
+        for tp in tps:
+            supply = mip.xsum(w[r, j] * patterns[r][j].count(tp) for r in classes for j in range(len(patterns[r])))
+            model += mip.xsum(c.pp * y[i] for i, c in enumerate(configs) if c.tp == tp) <= supply
+        model.objective = mip.xsum(c.cost.tokens_per_s * y[i] for i, c in enumerate(configs))
+        status = model.optimize(max_seconds=self.max_seconds)
+        self.stats.milp_solves += 1
+        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
+            raise PlanError(f"rollout MILP for {gpu_type} ended with status {status.name}")
+        if status != mip.OptimizationStatus.OPTIMAL:
+            self.stats.status = "feasible (time limit)"
+        counts = {i: int(round(v.x)) for i, v in enumerate(y) if v.x and v.x > 0.5}
+        slots = []
+        for r in classes:
+            for j, pat in enumerate(patterns[r]):
+                slots += [(r, pat)] * int(round(w[r, j].x or 0))
+        return sum(configs[i].cost.tokens_per_s * n for i, n in counts.items()), {"y": counts, "patterns": slots}
+
+    def _type_rollout_brute(self, gpu_type: str, free: tuple[int, ...]) -> tuple[float, dict]:
+        """--exhaustive: enumerate every multiset of replicas, keep the best one that packs into machines."""
+        configs = self.replica_configs(gpu_type)
+        best: tuple[float, dict] = (0.0, {"y": {}})
+
+        def packs(need: dict[int, int]) -> bool:
+            groups = sorted((tp for tp, n in need.items() for _ in range(n)), reverse=True)
+            return _pack(tuple(groups), tuple(sorted(free, reverse=True)))
+
+        def rec(i: int, left: int, y: dict[int, int], value: float) -> None:
+            nonlocal best
+            if i == len(configs):
+                need: dict[int, int] = {}
+                for j, n in y.items():
+                    need[configs[j].tp] = need.get(configs[j].tp, 0) + configs[j].pp * n
+                if value > best[0] and packs(need):
+                    best = (value, {"y": dict(y)})
+                return
+            c = configs[i]
+            for n in range(left // (c.tp * c.pp) + 1):
+                if n:
+                    y[i] = n
+                rec(i + 1, left - n * c.tp * c.pp, y, value + n * c.cost.tokens_per_s)
+            y.pop(i, None)
+
+        rec(0, sum(free), {}, 0.0)
+        return best
+
+    def rollout_plan(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> RolloutPlan | None:
+        free_by_type: dict[str, list[tuple[int, int]]] = {}
+        for m, k in zip(self.cluster.machines, train_counts):
+            if m.gpus - k > 0:
+                free_by_type.setdefault(m.gpu_type, []).append((m.gpus - k, m.index))
+        replicas: list[tuple[ReplicaConfig, list[int]]] = []
+        for t, free in free_by_type.items():
+            key = (t, tuple(sorted(r for r, _ in free)), exhaustive)
+            if key not in self._rollout_cache:
+                solve = self._type_rollout_brute if exhaustive else self._type_rollout_milp
+                self._rollout_cache[key] = solve(t, key[1])
+            value, sol = self._rollout_cache[key]
+            if value > 0:
+                replicas += self._place_replicas(t, free, sol, train_counts)
+        if not replicas:
+            return None
+        total = sum(c.cost.tokens_per_s for c, _ in replicas)
+        prefill = sum(c.cost.prefill_tflops for c, _ in replicas)
+        seq = max(1.0 / c.cost.round_s for c, _ in replicas)
+        return RolloutPlan(replicas, total, prefill, seq)
+
+    def _place_replicas(self, gpu_type: str, free: list[tuple[int, int]], sol: dict,
+                        train_counts: tuple[int, ...]) -> list[tuple[ReplicaConfig, list[int]]]:
+        """Turn replica counts into concrete GPUs: cut each machine's rollout GPUs into TP groups
+        (largest first, contiguous local ids), then give each replica pp groups of its TP size."""
+        configs = self.replica_configs(gpu_type)
+        demand = sorted(((configs[i], n) for i, n in sol["y"].items()), key=lambda cn: -cn[0].tp)
+        need = {}
+        for c, n in demand:
+            need[c.tp] = need.get(c.tp, 0) + c.pp * n
+        groups: dict[int, list[list[int]]] = {tp: [] for tp in need}
+        machines = sorted(free, key=lambda rm: (-rm[0], rm[1]))
+        cursor = {m: self.first[m] + train_counts[m] for _, m in machines}
+        left = {m: r for r, m in machines}
+        for tp in sorted(need, reverse=True):                 # first-fit decreasing (exact for powers of 2)
+            for _, m in machines:
+                while len(groups[tp]) < need[tp] and left[m] >= tp:
+                    groups[tp].append(list(range(cursor[m], cursor[m] + tp)))
+                    cursor[m] += tp
+                    left[m] -= tp
+            if len(groups[tp]) < need[tp]:
+                raise PlanError(f"internal: could not place {need[tp]} TP-{tp} groups on {gpu_type} machines")
+        out = []
+        for c, n in demand:
+            for _ in range(n):
+                ids = [i for _ in range(c.pp) for i in groups[c.tp].pop(0)]
+                out.append((c, ids))
+        return out
+
+    # ------------------------------------------------------------------ evaluate one partition
+    def evaluate(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> Evaluation:
+        key = train_counts + ((1,) if exhaustive else ())
+        if key in self._eval_cache:
+            return self._eval_cache[key]
+        self.stats.evaluations += 1
+        train = self.train_plan(train_counts)
+        rollout = self.rollout_plan(train_counts, exhaustive)
+        inf = math.inf
+        train_s = train.seconds if train else inf
+        rollout_s = inf
+        if rollout:
+            rollout_s = cm.rollout_seconds(self.model, self.wl, rollout.tokens_per_s, rollout.prefill_tflops,
+                                           rollout.seq_tokens_per_s)
+        sync_s = inf
+        if train and rollout:
+            train_m = {m for m, k in enumerate(train_counts) if k}
+            roll_m = {self.gpu_machine[i] for _, ids in rollout.replicas for i in ids}
+            slowest = min(max(self.cluster.link_gbps(r, t) for t in train_m) for r in roll_m)
+            sync_s = cm.sync_seconds(self.model, self.wl, self.eff, slowest)
+        step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl) if math.isfinite(sync_s) else inf
+        ev = Evaluation(train_counts, train, rollout, train_s, rollout_s, sync_s, step,
+                        self.wl.tokens_per_step / step if math.isfinite(step) else 0.0)
+        self._eval_cache[key] = ev
+        return ev
+
+    # ------------------------------------------------------------------ Phase 2: graph partition
+    def graph(self) -> nx.Graph:
+        """Machines as nodes (GPU count, compute c, HBM bandwidth m, HBM size M); links as edges (beta)."""
+        g = nx.Graph()
+        for m in self.cluster.machines:
+            gpu = self.cluster.gpu(m.gpu_type)
+            g.add_node(m.index, gpus=m.gpus, c=gpu.tflops, m=gpu.hbm_tbps, M=gpu.hbm_gb, beta_intra=gpu.intra_gbps)
+        for a, b in itertools.combinations(range(len(self.cluster.machines)), 2):
+            g.add_edge(a, b, beta=self.cluster.link_gbps(a, b))
+        return g
+
+    def arrange(self, per_type: dict[str, int]) -> tuple[int, ...]:
+        """Per-type trainer counts -> per-machine counts, filling the largest machines first (keeps
+        TP/DP groups inside machines and leaves whole machines to rollout)."""
+        counts = [0] * len(self.cluster.machines)
+        for t, n in per_type.items():
+            for m in sorted((m for m in self.cluster.machines if m.gpu_type == t), key=lambda m: (-m.gpus, m.index)):
+                counts[m.index] = min(n, m.gpus)
+                n -= counts[m.index]
+        return tuple(counts)
+
+    def partition_candidates(self, g: nx.Graph) -> list[tuple[float, float, dict[str, int]]]:
+        """(compute share of D_T, Eq. 3 objective, per-type trainer counts) for every candidate split."""
+        n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
+        c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
+        m_total = sum(d["gpus"] * d["m"] for _, d in g.nodes(data=True))
+        beta_total = sum(d["gpus"] * (d["gpus"] - 1) / 2 * d["beta_intra"] for _, d in g.nodes(data=True)) + \
+            sum(g.nodes[a]["gpus"] * g.nodes[b]["gpus"] * e["beta"] for a, b, e in g.edges(data=True))
+        steps = {t: max(1, math.ceil((n + 1) / 96)) for t, n in n_type.items()}   # coarser grid on huge clusters
+        grids = [sorted(set(range(0, n_type[t] + 1, steps[t])) | {n_type[t]}) for t in self.types]
+        out = []
+        for combo in itertools.product(*grids):
+            per_type = dict(zip(self.types, combo))
+            k = self.arrange(per_type)
+            share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total
+            beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + \
+                sum(k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b])
+            m_i = sum((g.nodes[i]["gpus"] - k[i]) * g.nodes[i]["m"] for i in g.nodes)
+            out.append((share, beta_t / beta_total + m_i / m_total, per_type))
+        return out
+
+    def graph_partition(self, cands: list, gamma: float, band: float) -> dict[str, int]:
+        """Eq. 3: max beta-share(D_T) + m-share(D_I) s.t. gamma - band <= c-share(D_T) <= gamma + band."""
+        inside = [c for c in cands if abs(c[0] - gamma) <= band]
+        if not inside:
+            nearest = min(abs(c[0] - gamma) for c in cands)
+            inside = [c for c in cands if abs(c[0] - gamma) <= nearest + 1e-12]
+        return max(inside, key=lambda c: (c[1], -abs(c[0] - gamma)))[2]
+
+    def solve(self, K: int = 6, max_iterations: int = 60) -> Evaluation:
+        """Algorithm 1: bisect gamma on C_T vs C_I with Eq. 3 partitions, then alternate local moves."""
+        t0 = time.perf_counter()
+        g = self.graph()
+        cands = self.partition_candidates(g)
+        c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
+        band = 0.5 * max(d["c"] for _, d in g.nodes(data=True)) / c_total
+        best: Evaluation | None = None
+        q, r, gamma = 0.0, 1.0, 1.0
+        stable = 0
+        seen_gamma = set()
+        for it in range(max_iterations):
+            self.stats.iterations = it + 1
+            per_type = self.graph_partition(cands, gamma, band)
+            ev = self.evaluate(self.arrange(per_type))
+            improved = best is None or ev.step_s < best.step_s * (1 - 1e-9)
+            best = ev if improved else best
+            self.stats.history.append(best.step_s)
+            stable = 0 if improved else stable + 1
+            if ev.c_t < ev.c_i:
+                r = gamma          # training is faster: give it less compute
+            else:
+                q = gamma
+            gamma = (q + r) / 2
+            key = round(gamma, 6)
+            if stable >= K or key in seen_gamma or r - q < band / 4:
+                break
+            seen_gamma.add(key)
+        best = self._refine(best, g)
+        if best is None or not math.isfinite(best.step_s):
+            self._explain_infeasible()
+        self.stats.seconds = time.perf_counter() - t0
+        return best
+
+    def _refine(self, best: Evaluation, g: nx.Graph) -> Evaluation:
+        """Alternate: move trainer GPUs between roles (single-type steps and cross-type swaps) around the
+        incumbent, re-running Phase 1 on each neighbour, until no move improves the step time."""
+        n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
+        start = {t: sum(k for m, k in zip(self.cluster.machines, best.train_counts) if m.gpu_type == t) for t in self.types}
+        deltas = [1, 2, 4, 8]
+        current = start
+        for _ in range(200):
+            moves = []
+            for t in self.types:
+                for d in deltas:
+                    moves += [{t: d}, {t: -d}]
+            for a, b in itertools.permutations(self.types, 2):
+                for d in deltas[:3]:
+                    moves.append({a: d, b: -d})
+            improved = False
+            for mv in moves:
+                cand = {t: current[t] + mv.get(t, 0) for t in self.types}
+                if any(v < 0 or v > n_type[t] for t, v in cand.items()):
+                    continue
+                ev = self.evaluate(self.arrange(cand))
+                if ev.step_s < best.step_s * (1 - 1e-9):
+                    best, current, improved = ev, cand, True
+            self.stats.history.append(best.step_s)
+            if not improved:
+                break
+        return best
+
+    def _explain_infeasible(self) -> None:
+        m = self.model
+        fits_train = fits_roll = False
+        for t in self.types:
+            if self.replica_configs(t):
+                fits_roll = True
+            ev = self.evaluate(self.arrange({t: sum(x.gpus for x in self.cluster.machines if x.gpu_type == t)}))
+            fits_train |= ev.train is not None
+        if not fits_roll:
+            raise PlanError(f"memory: model {m.name} ({m.params / 1e9:.2f}B params) fits no rollout replica "
+                            f"(TP inside one machine, PP <= 8) on GPU types {self.types}")
+        if not fits_train:
+            raise PlanError(f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster")
+        if self.forced_layout:
+            raise PlanError(f"--train-layout {self.forced_layout} leaves no valid plan (needs dp*tp*pp trainer GPUs "
+                            f"of one type per stage and >= 1 rollout GPU among {self.cluster.n_gpus})")
+        raise PlanError("role left empty: no split gives both a feasible trainer set and a feasible rollout set")
+
+    # ------------------------------------------------------------------ --exhaustive
+    def exhaustive(self) -> Evaluation:
+        """Brute force over the same space: every per-machine trainer count, every replica multiset."""
+        t0 = time.perf_counter()
+        best = None
+        for counts in itertools.product(*[range(m.gpus + 1) for m in self.cluster.machines]):
+            ev = self.evaluate(tuple(counts), exhaustive=True)
+            if best is None or ev.step_s < best.step_s:
+                best = ev
+            self.stats.iterations += 1
+        if best is None or not math.isfinite(best.step_s):
+            self._explain_infeasible()
+        self.stats.seconds = time.perf_counter() - t0
+        self.stats.status = "exhaustive"
+        return best
+
+
+@lru_cache(maxsize=None)
+def _tp_patterns(r: int, tps: tuple[int, ...]) -> list[tuple[int, ...]]:
+    """Every multiset of TP group sizes (from tps) that fits in r GPUs of one machine."""
+    out = []
+
+    def rec(left: int, i: int, acc: tuple[int, ...]) -> None:
+        out.append(acc)
+        for j in range(i, len(tps)):
+            if tps[j] <= left:
+                rec(left - tps[j], j, acc + (tps[j],))
+
+    rec(r, 0, ())
+    return out
+
+
+@lru_cache(maxsize=None)
+def _pack(groups: tuple[int, ...], bins: tuple[int, ...]) -> bool:
+    """Can these TP groups (sizes, descending) be placed into machines with `bins` free GPUs?"""
+    if not groups:
+        return True
+    g, rest = groups[0], groups[1:]
+    tried = set()
+    for i, b in enumerate(bins):
+        if b >= g and b not in tried:
+            tried.add(b)
+            nb = tuple(sorted(bins[:i] + (b - g,) + bins[i + 1:], reverse=True))
+            if _pack(rest, nb):
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------- objectives over sub-clusters
+
+def machine_kinds(cluster: Cluster) -> list[list[int]]:
+    kinds: dict[tuple[str, int], list[int]] = {}
+    for m in cluster.machines:
+        kinds.setdefault((m.gpu_type, m.gpus), []).append(m.index)
+    return list(kinds.values())
+
+
+def sub_clusters(cluster: Cluster) -> list[tuple[float, Cluster]]:
+    """Every choice of how many whole machines of each kind to rent, as ($/h, sub-cluster)."""
+    kinds = machine_kinds(cluster)
+    out = []
+    for use in itertools.product(*[range(len(k) + 1) for k in kinds]):
+        keep = {i: 0 for k, n in zip(kinds, use) for i in k[n:]}
+        sub = cluster.subset(keep) if len(keep) < len(cluster.machines) else None
+        if sub is not None:
+            out.append((sub.dollars_per_hour(), sub))
+    return sorted(out, key=lambda cs: cs[0])
+
+
+def plan(cluster: Cluster, model: ModelSpec, wl: Workload, eff: Efficiency | None = None, *,
+         budget: float | None = None, min_tokens_per_s: float | None = None, exhaustive: bool = False,
+         train_layout: tuple[int, int, int] | None = None, max_seconds: float = 10.0) -> dict:
+    """The planner's entry point: best plan as the plan-JSON dict. budget: max throughput among whole-machine
+    sub-clusters costing <= budget $/h; min_tokens_per_s: cheapest sub-cluster reaching that throughput."""
+    eff = eff or Efficiency()
+    t0 = time.perf_counter()
+
+    def run(c: Cluster) -> tuple[Planner, Evaluation]:
+        p = Planner(c, model, wl, eff, max_seconds, train_layout)
+        return p, (p.exhaustive() if exhaustive else p.solve())
+
+    if budget is None and min_tokens_per_s is None:
+        p, ev = run(cluster)
+    else:
+        options = sub_clusters(cluster)
+        feasible_cost = None
+        chosen = None
+        for cost, sub in options:
+            if budget is not None and cost > budget + 1e-9:
+                break
+            try:
+                p, ev = run(sub)
+            except PlanError:
+                continue
+            feasible_cost = cost if feasible_cost is None else feasible_cost
+            if min_tokens_per_s is not None:
+                if ev.tokens_per_s >= min_tokens_per_s:
+                    chosen = (p, ev)
+                    break
+            elif chosen is None or ev.tokens_per_s > chosen[1].tokens_per_s:
+                chosen = (p, ev)
+        if chosen is None:
+            cheapest = options[0][0] if options else cluster.dollars_per_hour()
+            if min_tokens_per_s is not None:
+                raise PlanError(f"throughput: no sub-cluster reaches {min_tokens_per_s:.0f} tokens/s"
+                                + (f" within ${budget:.2f}/h" if budget is not None else ""))
+            raise PlanError(f"budget: ${budget:.2f}/h is below the cheapest feasible plan "
+                            f"(cheapest sub-cluster ${cheapest:.2f}/h, first feasible "
+                            f"{'none' if feasible_cost is None else f'${feasible_cost:.2f}/h'})")
+        p, ev = chosen
+    out = to_plan_json(p, ev)
+    out["solver"]["seconds"] = time.perf_counter() - t0
+    return out
+
+
+# ----------------------------------------------------------------------------- plan JSON, table, picture
+
+def to_plan_json(p: Planner, ev: Evaluation) -> dict:
+    c = p.cluster
+    # global rank order: machines holding stage 0 first ... rollout-only machines last; in a machine, trainers first
+    train_ids = [i for _, _, ids in ev.train.stages for i in ids]
+    stage_of = {i: k for k, (_, _, ids) in enumerate(ev.train.stages) for i in ids}
+    first_stage = {}
+    for i in train_ids:
+        first_stage.setdefault(p.gpu_machine[i], stage_of[i])
+    machine_order = sorted(range(len(c.machines)), key=lambda m: (first_stage.get(m, 10 ** 9), m))
+    train_set = set(train_ids)
+    order = []
+    for m in machine_order:
+        ids = list(range(p.first[m], p.first[m] + c.machines[m].gpus))
+        pos = {i: n for n, i in enumerate(train_ids)}
+        order += sorted((i for i in ids if i in train_set), key=pos.get) + [i for i in ids if i not in train_set]
+    rank_of = {gid: r for r, gid in enumerate(order)}
+    tr = ev.train
+    ranks = [None] * len(order)
+    replica_of = {i: n for n, (_, ids) in enumerate(ev.rollout.replicas) for i in ids}
+    stages_json, layer_start = [], 0
+    for k, (t, layers, ids) in enumerate(tr.stages):
+        stages_json.append({"pp": k, "gpu_type": t, "layers": [layer_start, layer_start + layers],
+                            "ranks": sorted(rank_of[i] for i in ids)})
+        for j, i in enumerate(ids):
+            ranks[rank_of[i]] = {"rank": rank_of[i], "gpu_type": t, "machine": p.gpu_machine[i], "role": "train",
+                                 "dp": j // tr.tp, "tp": j % tr.tp, "pp": k, "layers": [layer_start, layer_start + layers]}
+        layer_start += layers
+    for gid, r in rank_of.items():
+        if ranks[r] is None:
+            m = p.gpu_machine[gid]
+            ranks[r] = {"rank": r, "gpu_type": c.machines[m].gpu_type, "machine": m, "role": "rollout",
+                        "replica": replica_of.get(gid)}
+            if gid not in replica_of:
+                ranks[r]["idle"] = True        # no replica config fits the leftover GPUs
+    total = ev.rollout.tokens_per_s
+    replicas = [{"id": n, "gpu_type": cfg.gpu_type, "tp": cfg.tp, "pp": cfg.pp, "ranks": [rank_of[i] for i in ids],
+                 "share": cfg.cost.tokens_per_s / total, "batch": cfg.cost.batch,
+                 "tokens_per_s": cfg.cost.tokens_per_s, "round_s": cfg.cost.round_s}
+                for n, (cfg, ids) in enumerate(ev.rollout.replicas)]
+    dollars = c.dollars_per_hour()
+    pred = {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s, "reward_s": p.wl.reward_s,
+            "step_s": ev.step_s, "tokens_per_s": ev.tokens_per_s, "dollars_per_hour": dollars,
+            "tokens_per_dollar": ev.tokens_per_s * 3600 / dollars if dollars > 0 else None}
+    return {"world_size": len(order), "ranks": ranks,
+            "rollout": {"replicas": replicas, "tokens_per_s": total},
+            "train": {"dp": tr.dp, "tp": tr.tp, "pp": tr.pp, "stages": stages_json,
+                      "tokens_per_s": cm.train_tokens_per_s(p.wl, ev.train_s)},
+            "predicted": pred,
+            "solver": {"seconds": p.stats.seconds, "iterations": p.stats.iterations, "status": p.stats.status,
+                       "evaluations": p.stats.evaluations, "milp_solves": p.stats.milp_solves},
+            "inputs": {"cluster": c.to_dict(), "model": p.model.to_config(), "workload": p.wl.to_dict(),
+                       "efficiency": p.eff.to_dict()}}
+
+
+def format_table(plan_json: dict) -> str:
+    lines = [f"{'rank':>4} {'machine':>7} {'type':>6} {'role':>7}  {'where':<24} {'layers':>9}"]
+    for r in plan_json["ranks"]:
+        if r["role"] == "train":
+            where, layers = f"stage {r['pp']} dp {r['dp']} tp {r['tp']}", f"[{r['layers'][0]},{r['layers'][1]})"
+        else:
+            rep = r["replica"]
+            if rep is None:
+                where, layers = "idle", ""
+            else:
+                spec = plan_json["rollout"]["replicas"][rep]
+                where, layers = f"replica {rep} (tp{spec['tp']} pp{spec['pp']})", ""
+        lines.append(f"{r['rank']:>4} {r['machine']:>7} {r['gpu_type']:>6} {r['role']:>7}  {where:<24} {layers:>9}")
+    pr, tr = plan_json["predicted"], plan_json["train"]
+    tpd = pr["tokens_per_dollar"]
+    lines += [f"train: dp {tr['dp']} tp {tr['tp']} pp {tr['pp']}; rollout: {len(plan_json['rollout']['replicas'])} replicas",
+              f"predicted: rollout {pr['rollout_s']:.2f} s | train {pr['train_s']:.2f} s | sync {pr['sync_s']:.2f} s | "
+              f"reward {pr['reward_s']:.2f} s | step {pr['step_s']:.2f} s",
+              f"           {pr['tokens_per_s']:.1f} tokens/s | ${pr['dollars_per_hour']:.2f}/h | "
+              + (f"{tpd:.0f} tokens/$" if tpd is not None else "free"),
+              f"solver: {plan_json['solver']['seconds']:.2f} s, {plan_json['solver']['iterations']} iterations, "
+              f"{plan_json['solver']['status']}"]
+    return "\n".join(lines)
+
+
+def plot_plan(plan_json: dict, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+    machines = sorted({r["machine"] for r in plan_json["ranks"]})
+    width = max(sum(1 for r in plan_json["ranks"] if r["machine"] == m) for m in machines)
+    fig, ax = plt.subplots(figsize=(1 + 0.9 * width, 0.8 + 0.6 * len(machines)))
+    cmap = plt.get_cmap("tab20")
+    col = {}
+    for row, m in enumerate(machines):
+        for x, r in enumerate(sorted((r for r in plan_json["ranks"] if r["machine"] == m), key=lambda r: r["rank"])):
+            if r["role"] == "train":
+                color, label = "#c0392b", f"S{r['pp']}\nd{r['dp']}t{r['tp']}"
+            else:
+                rep = r["replica"]
+                color = "#dddddd" if rep is None else col.setdefault(rep, cmap((2 * rep + 1) % 20))
+                label = "idle" if rep is None else f"R{rep}"
+            ax.add_patch(plt.Rectangle((x, -row), 0.92, 0.85, color=color))
+            ax.text(x + 0.46, -row + 0.42, f"{label}\n#{r['rank']}", ha="center", va="center", fontsize=6)
+        mtype = next(r["gpu_type"] for r in plan_json["ranks"] if r["machine"] == m)
+        ax.text(-0.1, -row + 0.42, f"m{m} {mtype}", ha="right", va="center", fontsize=7)
+    ax.set_xlim(-1.5, width)
+    ax.set_ylim(-len(machines) + 0.8, 1)
+    ax.axis("off")
+    pr = plan_json["predicted"]
+    ax.set_title(f"step {pr['step_s']:.1f} s, {pr['tokens_per_s']:.0f} tok/s, ${pr['dollars_per_hour']:.2f}/h", fontsize=9)
+    ax.legend(handles=[Patch(color="#c0392b", label="train (stage, dp, tp)"), Patch(color=cmap(1), label="rollout replica")],
+              loc="upper right", fontsize=7, bbox_to_anchor=(1, 1.25))
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficiency | None = None) -> Efficiency:
+    """Fit per-type mfu_train / hbm_eff / mfu_infer and the sync link_eff / latency to measured timings.
+    points: (planner, per-machine trainer counts, {"rollout_s", "train_s", "sync_s"} measured, any subset).
+    Phase 1 is re-run on the fixed partition for every trial so layouts follow the constants."""
+    eff = Efficiency.from_dict((base or Efficiency()).to_dict())
+    types = sorted({t for p, _, _ in points for t in p.types})
+    for t in types:
+        eff.per_type.setdefault(t, cm.TypeEfficiency(**vars(eff.of(t))))
+
+    def predict(key: str) -> list[tuple[float, float]]:
+        out = []
+        for p, counts, meas in points:
+            if key in meas:
+                q = Planner(p.cluster, p.model, p.wl, eff, p.max_seconds)
+                out.append((getattr(q.evaluate(counts), key), meas[key]))
+        return out
+
+    def loss(key: str) -> float:
+        return sum(math.log(a / b) ** 2 if math.isfinite(a) else 1e9 for a, b in predict(key))
+
+    def fit(key: str, fields: list[str]) -> None:
+        for _ in range(3):                                   # coordinate descent, golden section in log space
+            for f in fields:
+                def at(x: float) -> float:
+                    for t in types:
+                        setattr(eff.per_type[t], f, math.exp(x))
+                    return loss(key)
+                lo, hi = math.log(0.01), math.log(1.0)
+                for _ in range(30):
+                    m1, m2 = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
+                    lo, hi = (lo, m2) if at(m1) <= at(m2) else (m1, hi)
+                at((lo + hi) / 2)
+
+    fit("train_s", ["mfu_train"])
+    fit("rollout_s", ["hbm_eff", "mfu_infer"])
+    sync = [(p.model.params * p.wl.bytes / 1e9, p.evaluate(c).sync_s, m["sync_s"]) for p, c, m in points if "sync_s" in m]
+    if sync:
+        # predicted sync = latency + GB / (link_eff * bw): recover bw per point, then least squares on (latency, 1/eff)
+        xs = [gb / ((s - eff.sync_latency_s) * eff.link_eff) for gb, s, _ in sync]   # = GB / bw
+        ys = [meas for _, _, meas in sync]
+        if len(sync) >= 2 and max(xs) > min(xs):
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            eff.link_eff, eff.sync_latency_s = 1 / max(slope, 1e-6), max(0.0, my - slope * mx)
+        else:
+            eff.link_eff = xs[0] / max(ys[0] - eff.sync_latency_s, 1e-6)
+    eff.per_type["*"] = cm.TypeEfficiency(**vars(eff.per_type[types[0]]))
+    return eff
+
+
+# ----------------------------------------------------------------------------- CLI
+
+def workload_args(ap: argparse.ArgumentParser) -> None:
+    d = Workload()
+    ap.add_argument("--prompts", type=int, default=d.prompts_per_step, help="prompts per RL step")
+    ap.add_argument("--samples", type=int, default=d.samples_per_prompt, help="samples per prompt")
+    ap.add_argument("--prompt-len", type=float, default=d.prompt_len)
+    ap.add_argument("--gen-mean", type=float, default=d.gen_samples[0], help="mean generation length")
+    ap.add_argument("--gen-quantiles", default="", help="e.g. 0.5:700,0.9:3000,0.99:8000")
+    ap.add_argument("--eta", type=int, default=d.eta, help="staleness bound")
+    ap.add_argument("--precision", default=d.precision, choices=sorted(cm.PRECISION_BYTES))
+    ap.add_argument("--reward-s", type=float, default=d.reward_s, help="profiled reward seconds per step")
+    ap.add_argument("--max-batch", type=int, default=d.max_batch, help="max concurrent sequences per replica")
+    ap.add_argument("--microbatch-tokens", type=int, default=d.microbatch_tokens)
+    ap.add_argument("--ppo-minibatches", type=int, default=d.ppo_minibatches)
+
+
+def workload_from(a: argparse.Namespace) -> Workload:
+    qs = {}
+    for part in filter(None, a.gen_quantiles.split(",")):
+        try:
+            q, v = part.split(":")
+            qs[float(q)] = float(v)
+        except ValueError:
+            raise PlanError(f"--gen-quantiles: '{part}' is not q:length") from None
+    return Workload.from_quantiles(a.gen_mean, qs, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
+                                   prompt_len=a.prompt_len, eta=a.eta, precision=a.precision, reward_s=a.reward_s,
+                                   max_batch=a.max_batch, microbatch_tokens=a.microbatch_tokens,
+                                   ppo_minibatches=a.ppo_minibatches)
+
+
+def parse_layout(text: str | None) -> tuple[int, int, int] | None:
+    if not text:
+        return None
+    try:
+        dp, tp, pp = (int(x) for x in text.split(","))
+    except ValueError:
+        raise PlanError(f"--train-layout must be dp,tp,pp (three integers), got {text!r}") from None
+    if min(dp, tp, pp) < 1:
+        raise PlanError(f"--train-layout degrees must be >= 1, got {text!r}")
+    return dp, tp, pp
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        return calibrate_main(argv[1:]) if argv[:1] == ["calibrate"] else plan_main(argv)
+    except (PlanError, cm.SpecError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def plan_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="AReaL-Hex planner: trainer/rollout split and parallel plans.")
+    ap.add_argument("--cluster", required=True, help="cluster YAML (exp/clusters/*.yaml) or its name")
+    ap.add_argument("--model", required=True, help="HF config.json, its directory, or a name in exp/models/")
+    ap.add_argument("--gpus", "--nproc", dest="nproc", type=int, default=None, help="resize a one-machine cluster")
+    workload_args(ap)
+    ap.add_argument("--efficiency", default=None, help="efficiency YAML from `schedule.py calibrate`")
+    ap.add_argument("--budget", type=float, default=None, help="max $/hour: best whole-machine sub-cluster")
+    ap.add_argument("--min-tokens-per-s", type=float, default=None, help="cheapest sub-cluster reaching this")
+    ap.add_argument("--train-layout", default=None, help="force the trainer layout dp,tp,pp")
+    ap.add_argument("--exhaustive", action="store_true", help="brute force the same space (small clusters)")
+    ap.add_argument("--max-seconds", type=float, default=10.0, help="time limit of every MILP solve")
+    ap.add_argument("--out", default=None, help="plan JSON path")
+    ap.add_argument("--plot", nargs="?", const="", default=None, help="PNG path (default: next to --out)")
+    ap.add_argument("--quiet", action="store_true")
+    a = ap.parse_args(argv)
+    cluster = cm.load_cluster(a.cluster, a.nproc)
+    if a.exhaustive and cluster.n_gpus > 16:
+        raise PlanError(f"--exhaustive is for small clusters (<= 16 GPUs), this one has {cluster.n_gpus}")
+    result = plan(cluster, cm.load_model(a.model), workload_from(a), Efficiency.load(a.efficiency),
+                  budget=a.budget, min_tokens_per_s=a.min_tokens_per_s, exhaustive=a.exhaustive,
+                  train_layout=parse_layout(a.train_layout), max_seconds=a.max_seconds)
+    if not a.quiet:
+        print(format_table(result))
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump(result, f, indent=1)
+    if a.plot is not None:
+        path = a.plot or ((a.out[:-5] if a.out and a.out.endswith(".json") else (a.out or "plan")) + ".png")
+        plot_plan(result, path)
+        print(f"wrote {path}")
+    return 0
+
+
+def calibrate_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(description="Fit efficiency constants to one measured plan (or profile the CPU).")
+    ap.add_argument("--plan", help="plan JSON whose run was measured")
+    ap.add_argument("--rollout-s", type=float)
+    ap.add_argument("--train-s", type=float)
+    ap.add_argument("--sync-s", type=float)
+    ap.add_argument("--profile-cpu", action="store_true", help="numpy matmul/memcpy profile (< 2 s)")
+    ap.add_argument("--out", required=True, help="efficiency YAML to write")
+    a = ap.parse_args(argv)
+    import yaml
+    if a.profile_cpu:
+        prof = cm.profile_cpu()
+        print(f"cpu profile: {prof['tflops'] * 1e3:.1f} GFLOP/s, {prof['hbm_tbps'] * 1e3:.1f} GB/s")
+        eff = Efficiency(per_type={"cpu": cm.TypeEfficiency(mfu_train=min(1.0, prof["tflops"] / 0.02 * 0.5),
+                                                            mfu_infer=min(1.0, prof["tflops"] / 0.02 * 0.5),
+                                                            hbm_eff=min(1.0, prof["hbm_tbps"] / 0.005))})
+    else:
+        if not a.plan:
+            raise PlanError("calibrate needs --plan (and measured --rollout-s/--train-s/--sync-s) or --profile-cpu")
+        with open(a.plan) as f:
+            pj = json.load(f)
+        meas = {k: v for k, v in (("rollout_s", a.rollout_s), ("train_s", a.train_s), ("sync_s", a.sync_s)) if v}
+        if not meas:
+            raise PlanError("calibrate: give at least one of --rollout-s, --train-s, --sync-s")
+        p, counts = planner_from_plan(pj)
+        eff = calibrate([(p, counts, meas)], p.eff)
+    with open(a.out, "w") as f:
+        yaml.safe_dump(eff.to_dict(), f, sort_keys=False)
+    print(f"wrote {a.out}: {json.dumps(eff.to_dict())}")
+    return 0
+
+
+def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
+    """Rebuild the Planner and per-machine trainer counts a plan JSON was made from (inputs are embedded)."""
+    inp = pj["inputs"]
+    cluster = cm.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
+    p = Planner(cluster, cm.model_from_config(inp["model"]), Workload(**inp["workload"]),
+                Efficiency.from_dict(inp["efficiency"]))
+    counts = [0] * len(cluster.machines)
+    for r in pj["ranks"]:
+        counts[r["machine"]] += r["role"] == "train"
+    return p, tuple(counts)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
