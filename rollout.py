@@ -1,0 +1,508 @@
+"""KV-cached, continuously batched generator over HF Llama / Qwen2 / Qwen3 / Mistral weights.
+
+Rollout is HBM-bandwidth bound, so we own the three things that decide its speed and exactness:
+the KV cache (preallocated, one row per slot), the attention + decode loop, and the sampler.
+Everything else is the HF model's own modules and weights (embed_tokens, each layer's norms,
+q/k/v/o projections and MLP, the final norm, lm_head and the rotary embedding), so a trainer that
+updates `model.state_dict()` names updates us, and nothing depends on HF's cache API.
+
+Story of a request:
+  add_request -> waiting queue -> admitted into the lowest free slot -> "prefill" writes the K/V of
+  all its tokens but the last into the slot's cache rows -> each step() feeds the last token of every
+  running slot through ONE batched decode forward, samples the next token -> a finished request frees
+  its slot at once and a waiting one takes it on the next step (continuous batching).
+  Invariant of a running slot: the cache holds K/V for tokens[:-1]; tokens[-1] is the next input.
+
+Log-prob convention (the trainer uses the same): logprob = log_softmax(logits / temperature) over
+the full vocabulary in fp32, i.e. after temperature and BEFORE top-k/top-p truncation; for greedy
+(temperature 0) it is log_softmax(logits), i.e. temperature 1.
+
+Seeds: sampling noise is counter based, u = hash(seed, index of the token in the completion), and a
+token is drawn by inverting the CDF of the (truncated) distribution at u. Hence a request with a
+given seed samples the same tokens whichever requests share its batch and whichever slot it lands
+in. `generate(prompts, params)` with one SamplingParams gives request i the seed `params.seed + i`.
+
+Weight updates (`update_weights`) happen between step() calls. interrupt_mode="recompute" (default,
+as AReaL) re-prefills every in-flight sequence (prompt + tokens so far) under the new weights, so
+every later token is exactly the new policy's. interrupt_mode="keep" reuses the stale cache: no
+recompute cost, but later tokens attend to K/V computed by the old weights, so their log-probs are
+not exactly the new policy's (the trainer's recomputed/proximal log-probs must absorb the gap).
+Each generated token carries the policy version that sampled it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Hashable, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn.functional as F
+
+try:  # optional: flash-attn's in-place KV-cache decode kernel (GPU only)
+    from flash_attn import flash_attn_with_kvcache
+except ImportError:  # pragma: no cover - not installed on CPU machines
+    flash_attn_with_kvcache = None
+
+SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+
+
+# ----------------------------------------------------------------------------- public data types
+
+@dataclass
+class SamplingParams:
+    temperature: float = 1.0      # 0 means greedy
+    top_p: float = 1.0            # nucleus mass kept, in (0, 1]
+    top_k: int = -1               # -1 keeps the whole vocabulary
+    max_new_tokens: int = 256
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int = 0
+
+    def validate(self) -> None:
+        if not self.temperature >= 0.0:
+            raise ValueError(f"SamplingParams.temperature must be >= 0, got {self.temperature}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"SamplingParams.top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k != -1 and self.top_k < 1:
+            raise ValueError(f"SamplingParams.top_k must be -1 or >= 1, got {self.top_k}")
+        if self.max_new_tokens < 1:
+            raise ValueError(f"SamplingParams.max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        if not 0 <= self.seed < 2**63:
+            raise ValueError(f"SamplingParams.seed must be in [0, 2**63), got {self.seed}")
+
+
+@dataclass
+class RequestOutput:
+    request_id: Hashable
+    prompt_ids: list[int]
+    token_ids: list[int]       # generated tokens (a stop token, when hit, is included)
+    logprobs: list[float]      # see the log-prob convention in the module docstring
+    versions: list[int]        # policy version that sampled each token
+    finish_reason: str         # "stop" | "length"
+
+
+@dataclass
+class GeneratorStats:
+    decode_steps: int = 0
+    prefill_tokens: int = 0      # tokens whose K/V were (re)computed by prefill, recompute included
+    recompute_tokens: int = 0    # the part of prefill_tokens caused by weight updates
+    generated_tokens: int = 0
+    weight_updates: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+
+    @property
+    def seconds(self) -> float:
+        return self.prefill_seconds + self.decode_seconds
+
+
+@dataclass
+class _Request:
+    request_id: Hashable
+    prompt_ids: list[int]
+    params: SamplingParams
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    versions: list[int] = field(default_factory=list)
+    slot: int = -1
+    needs_prefill: bool = True
+
+    @property
+    def all_tokens(self) -> list[int]:
+        return self.prompt_ids + self.token_ids
+
+
+# ----------------------------------------------------------------------------- sampling
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer avalanche hash on int64 lanes; multipliers < 2**31 so nothing overflows."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """u in (0, 1) as a pure function of (seed, counter): the same draw in any batch, on any slot."""
+    h = _mix32(seeds & _MASK32)
+    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
+    h = _mix32(h ^ (counters & _MASK32))
+    return (h.to(torch.float64) + 0.5) / 2.0**32
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
+                  top_k: torch.Tensor, u: torch.Tensor, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and return (tokens, logprobs); rows with temperature 0 are greedy.
+
+    logits [B, V] fp32; temperature/top_p [B] fp32; top_k [B] int64 (V when disabled); u [B] fp64.
+    Sampling inverts the CDF at u. With `truncate` the vocabulary is sorted and cut by top-k, then
+    top-p of the renormalised remainder (the order HF applies them); logprobs are never truncated.
+    """
+    greedy = temperature == 0
+    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = logits.argmax(dim=-1)
+    if not bool(greedy.all()):
+        vocab = logits.shape[1]
+        if truncate:
+            sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+            probs = sorted_logp.exp()
+            rank = torch.arange(vocab, device=logits.device)
+            probs = probs * (rank.unsqueeze(0) < top_k.unsqueeze(1))
+            cum = probs.cumsum(dim=-1)
+            mass_before = cum - probs        # keep a token while the mass ranked above it < top_p
+            probs = probs * (mass_before < top_p.unsqueeze(1) * cum[:, -1:])
+        else:
+            probs = logp.exp()
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1]
+        target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+        idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
+        drawn = order.gather(1, idx.unsqueeze(1)).squeeze(1) if truncate else idx
+        tokens = torch.where(greedy, tokens, drawn)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
+
+# ----------------------------------------------------------------------------- the model pieces
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
+    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+
+
+def _layer_windows(config, n_layers: int) -> list[int | None]:
+    """Sliding-window size per layer (None = full attention), read the way HF reads it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types[:n_layers]]
+    return [window] * n_layers
+
+
+class Generator:
+    """Continuous-batching generator; see the module docstring for the protocol and conventions."""
+
+    def __init__(self, model, max_batch_size: int = 32, max_seq_len: int = 1024, version: int = 0,
+                 interrupt_mode: str = "recompute", compile_decode: bool = False,
+                 use_flash_attn: bool = False, max_prefill_tokens: int = 16384):
+        config = model.config
+        model_type = getattr(config, "model_type", None)
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            raise ValueError(f"Generator supports model types {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        if interrupt_mode not in ("recompute", "keep"):
+            raise ValueError(f"interrupt_mode must be 'recompute' or 'keep', got {interrupt_mode!r}")
+        if max_batch_size < 1 or max_seq_len < 2:
+            raise ValueError(f"need max_batch_size >= 1 and max_seq_len >= 2, got {max_batch_size}, {max_seq_len}")
+        param = next(model.parameters())
+        self.device, self.dtype = param.device, param.dtype
+        if use_flash_attn and (flash_attn_with_kvcache is None or self.device.type != "cuda"):
+            raise ValueError("use_flash_attn=True needs the flash_attn package and a CUDA model")
+
+        self.model = model.eval()
+        base = model.model
+        self.embed, self.layers, self.norm = base.embed_tokens, list(base.layers), base.norm
+        self.rotary, self.lm_head = base.rotary_emb, model.lm_head
+        attn = self.layers[0].self_attn
+        self.head_dim = attn.head_dim
+        self.n_heads = config.num_attention_heads
+        self.n_kv_heads = config.num_key_value_heads
+        self.scale = attn.scaling
+        self.vocab_size = config.vocab_size
+        self.windows = _layer_windows(config, len(self.layers))
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        self.max_prefill_tokens = max_prefill_tokens
+        self.interrupt_mode, self.use_flash_attn = interrupt_mode, use_flash_attn
+        self.version = version
+
+        # The cache: per layer [slots, kv_heads, max_seq_len, head_dim], owned by us.
+        shape = (max_batch_size, self.n_kv_heads, max_seq_len, self.head_dim)
+        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+
+        self.waiting: deque[_Request] = deque()
+        self.slots: list[_Request | None] = [None] * max_batch_size
+        self.requests: dict[Hashable, _Request] = {}
+        self.stats = GeneratorStats()
+
+        # A compiled decode step needs static shapes: always all slots and the full cache length.
+        self.static_decode = compile_decode
+        self._decode_forward = self._decode_forward_eager
+        if compile_decode:
+            mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            self._decode_forward = torch.compile(self._decode_forward_eager, mode=mode, dynamic=False)
+
+    # ------------------------------------------------------------------ the transformer, our way
+
+    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        a = layer.self_attn
+        b, n = h.shape[:2]
+        q = a.q_proj(h).view(b, n, -1, self.head_dim)
+        k = a.k_proj(h).view(b, n, -1, self.head_dim)
+        v = a.v_proj(h).view(b, n, -1, self.head_dim)
+        if hasattr(a, "q_norm"):   # Qwen3: per-head RMSNorm on q and k before RoPE
+            q, k = a.q_norm(q), a.k_norm(k)
+        q, k = _apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
+        return q, k, v.transpose(1, 2)    # [B, heads, L, D]
+
+    def _finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        b, _, n, _ = attn_out.shape
+        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, n, -1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
+
+    def _prefill(self, reqs: list[_Request]) -> None:
+        """Write K/V of tokens[:-1] of each request into its slot, in right-padded batches."""
+        reqs = [r for r in reqs if len(r.all_tokens) > 1]
+        reqs.sort(key=lambda r: len(r.all_tokens))
+        while reqs:   # greedy chunks, padded size (count x longest) within the prefill token budget
+            n = 1
+            while n < len(reqs) and (n + 1) * (len(reqs[n].all_tokens) - 1) <= self.max_prefill_tokens:
+                n += 1
+            self._prefill_chunk(reqs[:n])
+            reqs = reqs[n:]
+
+    def _prefill_chunk(self, reqs: list[_Request]) -> None:
+        seqs = [r.all_tokens[:-1] for r in reqs]
+        length = max(len(s) for s in seqs)
+        tokens = torch.zeros(len(seqs), length, dtype=torch.long)
+        for i, s in enumerate(seqs):
+            tokens[i, :len(s)] = torch.tensor(s)
+        tokens = tokens.to(self.device)
+        slots = torch.tensor([r.slot for r in reqs], device=self.device)
+        positions = torch.arange(length, device=self.device).expand(len(seqs), length)
+        x = self.embed(tokens)
+        cos, sin = self.rotary(x, positions)
+        masks = {}   # right padding needs no key mask: a real query never looks past itself
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            self.k_cache[i][slots, :, :length] = k.to(self.dtype)
+            self.v_cache[i][slots, :, :length] = v.to(self.dtype)
+            if i == len(self.layers) - 1:
+                break   # only the cache is wanted: the last layer's attention/MLP output is unused
+            window = self.windows[i]
+            if window is None or window >= length:
+                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+            else:
+                if window not in masks:
+                    qpos = torch.arange(length, device=self.device).unsqueeze(1)
+                    kpos = torch.arange(length, device=self.device).unsqueeze(0)
+                    masks[window] = (kpos <= qpos) & (kpos > qpos - window)
+                out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[window], scale=self.scale,
+                                                     enable_gqa=True)
+            x = self._finish_layer(layer, x, out)
+        self.stats.prefill_tokens += sum(len(s) for s in seqs)
+
+    def _decode_forward_eager(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
+        """One token for each of the first `tokens.shape[0]` slots; returns fp32 logits [B, V].
+
+        tokens/positions [B]: the input token of each slot and the cache index it is written at.
+        span: how many cache positions attention reads (>= max(positions) + 1).
+        """
+        b = tokens.shape[0]
+        rows = torch.arange(b, device=self.device)
+        x = self.embed(tokens.unsqueeze(1))                      # [B, 1, H]
+        cos, sin = self.rotary(x, positions.unsqueeze(1))
+        kpos = torch.arange(span, device=self.device).unsqueeze(0)
+        causal = kpos <= positions.unsqueeze(1)                  # [B, span]
+        masks = {None: causal.view(b, 1, 1, span)}
+        group = self.n_heads // self.n_kv_heads
+        for i, layer in enumerate(self.layers):
+            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            window = self.windows[i]
+            if self.use_flash_attn:
+                # our own write first, then flash reads [0, positions] of each slot in place
+                self.k_cache[i][rows, :, positions] = k[:, :, 0].to(self.dtype)
+                self.v_cache[i][rows, :, positions] = v[:, :, 0].to(self.dtype)
+                out = flash_attn_with_kvcache(
+                    q.transpose(1, 2), self.k_cache[i][:b].transpose(1, 2), self.v_cache[i][:b].transpose(1, 2),
+                    cache_seqlens=(positions + 1).to(torch.int32), softmax_scale=self.scale, causal=True,
+                    window_size=(-1, -1) if window is None else (window - 1, 0)).transpose(1, 2)
+            else:
+                self.k_cache[i][rows, :, positions] = k[:, :, 0].to(self.dtype)
+                self.v_cache[i][rows, :, positions] = v[:, :, 0].to(self.dtype)
+                if window not in masks:
+                    masks[window] = (causal & (kpos > positions.unsqueeze(1) - window)).view(b, 1, 1, span)
+                # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows
+                qg = q.reshape(b, self.n_kv_heads, group, self.head_dim)
+                out = F.scaled_dot_product_attention(
+                    qg, self.k_cache[i][:b, :, :span], self.v_cache[i][:b, :, :span],
+                    attn_mask=masks[window], scale=self.scale).reshape(b, self.n_heads, 1, self.head_dim)
+            x = self._finish_layer(layer, x, out.to(x.dtype))
+        return self.lm_head(self.norm(x))[:, 0].float()
+
+    # ------------------------------------------------------------------ streaming API
+
+    def add_request(self, request_id: Hashable, prompt_ids: Sequence[int], params: SamplingParams) -> None:
+        """Queue a request; it is admitted into a slot by a later step() as soon as one is free."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the generator")
+        params.validate()
+        prompt_ids = [int(t) for t in prompt_ids]
+        if not prompt_ids:
+            raise ValueError(f"request {request_id!r}: empty prompt")
+        bad = [t for t in prompt_ids + list(params.stop_token_ids) if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside vocabulary [0, {self.vocab_size})")
+        if len(prompt_ids) + params.max_new_tokens - 1 > self.max_seq_len:
+            raise ValueError(f"request {request_id!r}: prompt length {len(prompt_ids)} + max_new_tokens "
+                             f"{params.max_new_tokens} - 1 exceeds max_seq_len {self.max_seq_len}")
+        req = _Request(request_id, prompt_ids, dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids)))
+        self.requests[request_id] = req
+        self.waiting.append(req)
+
+    def num_unfinished(self) -> int:
+        return len(self.requests)
+
+    @torch.no_grad()
+    def step(self) -> list[RequestOutput]:
+        """Admit waiting requests into free slots (prefill), then ONE batched decode step for all
+        running slots. Returns the requests that finished in this step."""
+        for slot in range(self.max_batch_size):
+            if not self.waiting:
+                break
+            if self.slots[slot] is None:
+                req = self.waiting.popleft()
+                req.slot, req.needs_prefill = slot, True
+                self.slots[slot] = req
+        running = [r for r in self.slots if r is not None]
+        if not running:
+            return []
+        to_prefill = [r for r in running if r.needs_prefill]
+        if to_prefill:
+            t0 = time.perf_counter()
+            self._prefill(to_prefill)
+            for r in to_prefill:
+                r.needs_prefill = False
+            self.stats.prefill_seconds += time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        width = self.max_batch_size if self.static_decode else max(r.slot for r in running) + 1
+        tokens, positions = [0] * width, [0] * width     # idle slots decode a dummy token at position 0
+        for r in running:
+            tokens[r.slot], positions[r.slot] = r.all_tokens[-1], len(r.all_tokens) - 1
+        span = self.max_seq_len if self.static_decode else max(positions) + 1
+        logits = self._decode_forward(torch.tensor(tokens, device=self.device),
+                                      torch.tensor(positions, device=self.device), span)
+        new_tokens, new_logprobs = self._sample(logits, running)
+        self.stats.decode_steps += 1
+        self.stats.generated_tokens += len(running)
+
+        finished = []
+        for r, tok, lp in zip(running, new_tokens, new_logprobs):
+            r.token_ids.append(tok)
+            r.logprobs.append(lp)
+            r.versions.append(self.version)
+            reason = "stop" if tok in r.params.stop_token_ids else (
+                "length" if len(r.token_ids) >= r.params.max_new_tokens else None)
+            if reason is not None:
+                finished.append(self._release(r, reason))
+        self.stats.decode_seconds += time.perf_counter() - t0
+        return finished
+
+    def _sample(self, logits: torch.Tensor, running: list[_Request]) -> tuple[list[int], list[float]]:
+        rows = torch.tensor([r.slot for r in running], device=self.device)
+        params = [r.params for r in running]
+        dev = self.device
+        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+        top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev)
+        seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)
+        counters = torch.tensor([len(r.token_ids) for r in running], dtype=torch.int64, device=dev)
+        truncate = any(p.temperature > 0 and (p.top_p < 1.0 or 0 < p.top_k < self.vocab_size) for p in params)
+        tokens, logprobs = sample_tokens(logits[rows], temperature, top_p, top_k,
+                                         counter_uniform(seeds, counters), truncate)
+        return tokens.tolist(), logprobs.tolist()
+
+    def _release(self, req: _Request, reason: str) -> RequestOutput:
+        if req.slot >= 0:
+            self.slots[req.slot] = None
+        del self.requests[req.request_id]
+        return RequestOutput(req.request_id, req.prompt_ids, req.token_ids, req.logprobs, req.versions, reason)
+
+    def abort(self, request_id: Hashable) -> None:
+        """Drop a waiting or running request; its slot is free for the next step()."""
+        req = self.requests.get(request_id)
+        if req is None:
+            raise KeyError(f"abort: unknown request id {request_id!r}")
+        if req.slot < 0:
+            self.waiting.remove(req)
+        self._release(req, "abort")
+
+    def unfinished_requests(self) -> list[tuple[Hashable, list[int], SamplingParams, list[int]]]:
+        """(request_id, prompt_ids, params, tokens so far) of every waiting or running request."""
+        return [(r.request_id, list(r.prompt_ids), r.params, list(r.token_ids)) for r in self.requests.values()]
+
+    # ------------------------------------------------------------------ weights
+
+    @torch.no_grad()
+    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+                       version: int) -> None:
+        """Copy HF-named tensors (all of `model.state_dict()` or any bucket of it) into the model.
+
+        Allowed between step() calls. With tied embeddings either key updates the shared tensor.
+        In "recompute" mode every in-flight sequence is re-prefilled under the new weights at the
+        next step(); in "keep" mode its stale cache is reused.
+        """
+        if version < self.version:
+            raise ValueError(f"update_weights: version {version} is older than current version {self.version}")
+        targets = dict(self.model.named_parameters(remove_duplicate=False))
+        targets.update(self.model.named_buffers(remove_duplicate=False))
+        items = weights.items() if isinstance(weights, Mapping) else weights
+        for name, tensor in items:
+            target = targets.get(name)
+            if target is None:
+                raise KeyError(f"update_weights: {name!r} is not a parameter of this "
+                               f"{self.model.config.model_type} model (expected HF state_dict names)")
+            if tuple(tensor.shape) != tuple(target.shape):
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
+                                 f"model expects {tuple(target.shape)}")
+            target.copy_(tensor)
+        self.version = version
+        self.stats.weight_updates += 1
+        if self.interrupt_mode == "recompute":
+            for r in self.slots:
+                if r is not None:
+                    r.needs_prefill = True
+                    self.stats.recompute_tokens += len(r.all_tokens) - 1
+
+    # ------------------------------------------------------------------ batch API
+
+    def generate(self, prompts: Sequence[Sequence[int]],
+                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+        """Generate for every prompt with continuous batching; outputs are in prompt order.
+
+        One SamplingParams for the list gives request i the seed `params.seed + i`; a list gives
+        one SamplingParams per prompt, used as is.
+        """
+        if isinstance(params, SamplingParams):
+            params = [dataclasses.replace(params, seed=params.seed + i) for i in range(len(prompts))]
+        if len(params) != len(prompts):
+            raise ValueError(f"generate: {len(prompts)} prompts but {len(params)} SamplingParams")
+        if self.requests:
+            raise RuntimeError("generate: the generator already has unfinished streaming requests")
+        keys = [("generate", i) for i in range(len(prompts))]
+        try:
+            for key, prompt, p in zip(keys, prompts, params):
+                self.add_request(key, prompt, p)
+        except Exception:
+            for key in keys:   # leave the generator empty, not half-loaded
+                if key in self.requests:
+                    self.abort(key)
+            raise
+        results: dict[Hashable, RequestOutput] = {}
+        while self.requests:
+            for out in self.step():
+                results[out.request_id] = out
+        outs = [results[k] for k in keys]
+        for i, out in enumerate(outs):
+            out.request_id = i
+        return outs

@@ -1,0 +1,309 @@
+"""Tests for rollout.Generator: exactness against HF, continuous batching, seeds, weight swaps, bad input."""
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import pytest
+import torch
+from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
+                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+
+from rollout import Generator, SamplingParams, counter_uniform, sample_tokens
+
+torch.set_num_threads(1)
+
+VOCAB = 96
+COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+
+
+def make_model(kind: str, seed: int = 0, **overrides):
+    torch.manual_seed(seed)
+    if kind == "llama":
+        model = LlamaForCausalLM(LlamaConfig(**COMMON, **overrides))
+    elif kind == "qwen2":   # q/k/v biases, tied embeddings
+        model = Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True, **overrides))
+    elif kind == "mistral":  # sliding window shorter than the sequences
+        model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=5, **overrides))
+    elif kind == "qwen3":   # q_norm / k_norm, explicit head_dim
+        model = Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16, **overrides))
+    else:
+        raise ValueError(kind)
+    model.generation_config.eos_token_id = None   # HF must not stop on the config's default eos
+    with torch.no_grad():  # random init has tiny logits; sharpen them so greedy has clear winners
+        model.lm_head.weight.mul_(4.0)
+    return model.eval()
+
+
+PROMPTS = [[1, 5, 7, 9, 11], [3], [4, 8, 15, 16, 23, 42, 7], [10, 11], [12, 13, 14, 2], [30, 31, 32, 33, 34, 35]]
+
+
+def full_forward_logprobs(model, prompt, tokens, temperature=1.0):
+    """Log-prob of each generated token from one full forward pass over prompt + tokens."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    logp = torch.log_softmax(logits / temperature, dim=-1)
+    return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(tokens)]
+
+
+def hf_greedy(model, prompt, max_new_tokens, stop=None):
+    with torch.no_grad():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+# ----------------------------------------------------------------------------- exactness
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
+def test_greedy_matches_hf_generate_and_full_forward(kind):
+    model = make_model(kind)
+    gen = Generator(model, max_batch_size=3, max_seq_len=40)   # 6 prompts, 3 slots: slots get refilled
+    free_run = gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12))
+    stop = free_run[0].token_ids[4]  # a token greedy really emits, so at least one request stops on it
+    outs = gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop]))
+    reasons = set()
+    for prompt, out in zip(PROMPTS, outs):
+        assert out.prompt_ids == prompt
+        assert out.token_ids == hf_greedy(model, prompt, 12, stop=stop)
+        ref = full_forward_logprobs(model, prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+        assert out.versions == [0] * len(out.token_ids)
+        assert out.finish_reason == ("stop" if out.token_ids[-1] == stop else "length")
+        assert out.finish_reason == "stop" or len(out.token_ids) == 12
+        reasons.add(out.finish_reason)
+    assert reasons == {"stop", "length"}
+    assert gen.num_unfinished() == 0 and all(s is None for s in gen.slots)
+
+
+def test_greedy_matches_hf_left_padded_batch():
+    """HF's own batched, left-padded generate (the way a user calls it) gives the same tokens."""
+    model = make_model("llama", seed=3)
+    outs = Generator(model, max_batch_size=2, max_seq_len=32).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+    width = max(len(p) for p in PROMPTS)
+    ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
+    with torch.no_grad():
+        ref = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert [o.token_ids for o in outs] == ref[:, width:].tolist()
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_sampled_logprobs_are_full_vocab_after_temperature(kind):
+    model = make_model(kind, seed=1)
+    params = SamplingParams(temperature=0.7, top_p=0.8, top_k=20, max_new_tokens=10, seed=5)
+    outs = Generator(model, max_batch_size=4, max_seq_len=32).generate(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outs):
+        ref = full_forward_logprobs(model, prompt, out.token_ids, temperature=0.7)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+
+
+# ----------------------------------------------------------------------------- continuous batching
+
+def test_finished_request_frees_its_slot_at_once():
+    gen = Generator(make_model("llama"), max_batch_size=2, max_seq_len=32)
+    gen.add_request("short", [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=2))
+    gen.add_request("long", [4, 5], SamplingParams(temperature=0, max_new_tokens=6))
+    gen.add_request("late", [6], SamplingParams(temperature=0, max_new_tokens=3))
+    assert gen.num_unfinished() == 3
+    assert gen.step() == [] and [r.request_id for r in gen.slots] == ["short", "long"]
+    finished = gen.step()
+    assert [o.request_id for o in finished] == ["short"] and gen.slots[0] is None
+    gen.step()   # the waiting request takes the freed slot while "long" keeps decoding
+    assert gen.slots[0].request_id == "late" and len(gen.slots[0].token_ids) == 1
+    assert len(gen.slots[1].token_ids) == 3
+    done = {}
+    while gen.num_unfinished():
+        done.update({o.request_id: o for o in gen.step()})
+    assert len(done["late"].token_ids) == 3 and len(done["long"].token_ids) == 6
+    assert gen.stats.generated_tokens == 2 + 6 + 3 and gen.stats.decode_steps == 6
+
+
+def test_same_result_for_any_slot_count():
+    model = make_model("qwen2", seed=2)
+    params = SamplingParams(temperature=1.0, max_new_tokens=9, seed=11)
+    a = Generator(model, max_batch_size=1, max_seq_len=32).generate(PROMPTS, params)
+    b = Generator(model, max_batch_size=5, max_seq_len=32).generate(PROMPTS, params)
+    assert [o.token_ids for o in a] == [o.token_ids for o in b]
+    for x, y in zip(a, b):
+        assert max(abs(p - q) for p, q in zip(x.logprobs, y.logprobs)) < 1e-5
+
+
+# ----------------------------------------------------------------------------- sampling and seeds
+
+def test_seed_is_independent_of_batch_and_slot():
+    model = make_model("llama", seed=4)
+    target = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=1234)
+    alone = Generator(model, max_batch_size=4, max_seq_len=32).generate([PROMPTS[2]], [target])[0]
+    others = [SamplingParams(temperature=1.0, max_new_tokens=3 + i, seed=i) for i in range(4)]
+    crowd = Generator(model, max_batch_size=3, max_seq_len=32).generate(
+        PROMPTS[:4] + [PROMPTS[2]], others + [target])[4]   # lands in a refilled slot mid-stream
+    assert crowd.token_ids == alone.token_ids
+    other_seed = Generator(model, max_batch_size=4, max_seq_len=32).generate(
+        [PROMPTS[2]], [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=99)])[0]
+    assert other_seed.token_ids != alone.token_ids
+
+
+def test_generate_gives_request_i_seed_plus_i():
+    model = make_model("llama", seed=5)
+    gen = Generator(model, max_batch_size=4, max_seq_len=32)
+    outs = gen.generate([PROMPTS[0]] * 3, SamplingParams(temperature=1.0, max_new_tokens=8, seed=40))
+    for i, out in enumerate(outs):
+        solo = gen.generate([PROMPTS[0]], [SamplingParams(temperature=1.0, max_new_tokens=8, seed=40 + i)])[0]
+        assert out.token_ids == solo.token_ids
+    assert len({tuple(o.token_ids) for o in outs}) > 1
+
+
+def test_sampler_matches_the_truncated_distribution():
+    torch.manual_seed(0)
+    vocab, n = 12, 40000
+    logits = torch.randn(vocab) * 2
+    rows = logits.expand(n, vocab)
+    u = counter_uniform(torch.full((n,), 7), torch.arange(n))
+    for top_k, top_p in [(vocab, 1.0), (4, 1.0), (vocab, 0.6), (5, 0.7)]:
+        tokens, logp = sample_tokens(rows, torch.full((n,), 0.8), torch.full((n,), top_p),
+                                     torch.full((n,), top_k), u, truncate=(top_k < vocab or top_p < 1))
+        probs = torch.softmax(logits / 0.8, -1)
+        order = probs.argsort(descending=True)
+        keep = torch.zeros(vocab, dtype=torch.bool)
+        keep[order[:top_k]] = True
+        p = torch.where(keep, probs, 0.0)
+        p = p / p.sum()
+        cum = p[order].cumsum(0)
+        nucleus = torch.zeros(vocab, dtype=torch.bool)
+        nucleus[order[(cum - p[order]) < top_p]] = True
+        expected = torch.where(nucleus, p, 0.0)
+        expected = expected / expected.sum()
+        freq = torch.bincount(tokens, minlength=vocab).double() / n
+        assert freq[~nucleus].sum() == 0                      # truncated tokens are never drawn
+        assert (freq - expected).abs().max() < 0.012          # ~5 sigma at n=40000
+        assert torch.allclose(logp, torch.log_softmax(logits / 0.8, -1)[tokens], atol=1e-6)
+
+
+def test_counter_uniform_is_a_pure_function_in_range():
+    seeds = torch.tensor([0, 1, 2**40 + 3, 0])
+    counters = torch.tensor([0, 0, 5, 1])
+    u = counter_uniform(seeds, counters)
+    assert torch.equal(u, counter_uniform(seeds, counters))
+    assert ((u > 0) & (u < 1)).all() and len(set(u.tolist())) == 4
+    assert counter_uniform(seeds[2:3], counters[2:3]).item() == u[2].item()
+
+
+# ----------------------------------------------------------------------------- weight updates
+
+def perturbed_state_dict(model, seed):
+    torch.manual_seed(seed)
+    return {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
+    model = make_model(kind, seed=6)
+    old = make_model(kind, seed=6)
+    new_weights = perturbed_state_dict(model, seed=7)
+    if kind == "qwen2":   # tied embeddings: HF state_dict names both keys for one tensor
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+    gen = Generator(model, max_batch_size=3, max_seq_len=40)
+    params = SamplingParams(temperature=1.0, max_new_tokens=10)
+    for i, prompt in enumerate(PROMPTS[:5]):
+        gen.add_request(i, prompt, params)
+    outs = {}
+    for _ in range(4):
+        outs.update({o.request_id: o for o in gen.step()})
+    gen.update_weights(new_weights, version=1)
+    assert gen.version == 1 and gen.stats.recompute_tokens > 0
+    while gen.num_unfinished():
+        outs.update({o.request_id: o for o in gen.step()})
+    new = make_model(kind, seed=6)
+    new.load_state_dict(new_weights)
+    for i, prompt in enumerate(PROMPTS[:5]):
+        out = outs[i]
+        first_new = out.versions.index(1)
+        assert out.versions == [0] * first_new + [1] * (len(out.versions) - first_new)
+        assert (first_new == 4) if i < 3 else (first_new == 0)   # waiting requests start under v1
+        ref_old = full_forward_logprobs(old, prompt, out.token_ids)
+        ref_new = full_forward_logprobs(new, prompt, out.token_ids)
+        for j, lp in enumerate(out.logprobs):
+            assert abs(lp - (ref_old[j] if j < first_new else ref_new[j])) < 1e-4
+
+
+def test_keep_mode_reuses_the_stale_cache():
+    model = make_model("llama", seed=8)
+    new_weights = perturbed_state_dict(model, seed=9)
+    gen = Generator(model, max_batch_size=2, max_seq_len=40, interrupt_mode="keep")
+    gen.add_request("a", PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=8))
+    for _ in range(3):
+        gen.step()
+    prefilled = gen.stats.prefill_tokens
+    gen.update_weights(new_weights, version=2)
+    out = [o for _ in range(5) for o in gen.step()][0]
+    assert gen.stats.prefill_tokens == prefilled and gen.stats.recompute_tokens == 0
+    assert out.versions == [0, 0, 0, 2, 2, 2, 2, 2]
+    new = make_model("llama", seed=8)
+    new.load_state_dict(new_weights)
+    ref_new = full_forward_logprobs(new, PROMPTS[2], out.token_ids)
+    # the first post-swap token attends to K/V from the old weights, so it differs from the new policy
+    assert abs(out.logprobs[3] - ref_new[3]) > 1e-4
+
+
+def test_update_weights_accepts_buckets_and_rejects_bad_names():
+    model = make_model("llama", seed=10)
+    gen = Generator(model, max_batch_size=1, max_seq_len=16)
+    weight = model.model.norm.weight
+    gen.update_weights([("model.norm.weight", torch.full_like(weight, 2.0))], version=1)
+    assert torch.equal(weight, torch.full_like(weight, 2.0)) and gen.version == 1
+    with pytest.raises(KeyError, match="not_a_param"):
+        gen.update_weights({"not_a_param": weight}, version=2)
+    with pytest.raises(ValueError, match="shape"):
+        gen.update_weights({"model.norm.weight": torch.zeros(3)}, version=2)
+    with pytest.raises(ValueError, match="older"):
+        gen.update_weights({}, version=0)
+
+
+# ----------------------------------------------------------------------------- streaming API, bad input
+
+def test_abort_and_unfinished_requests():
+    gen = Generator(make_model("llama"), max_batch_size=1, max_seq_len=16)
+    params = SamplingParams(temperature=0, max_new_tokens=5)
+    gen.add_request("a", [1, 2], params)
+    gen.add_request("b", [3], params)
+    gen.step()
+    pending = {r[0]: r for r in gen.unfinished_requests()}
+    assert pending["a"][1] == [1, 2] and len(pending["a"][3]) == 1 and pending["b"][3] == []
+    assert pending["a"][2].max_new_tokens == 5
+    gen.abort("a")
+    assert gen.slots[0] is None and gen.num_unfinished() == 1
+    gen.abort("b")
+    assert gen.num_unfinished() == 0 and gen.step() == []
+    with pytest.raises(KeyError, match="unknown request"):
+        gen.abort("zzz")
+
+
+def test_bad_input_raises_clear_errors():
+    model = make_model("llama")
+    gen = Generator(model, max_batch_size=2, max_seq_len=16)
+    ok = SamplingParams(max_new_tokens=4)
+    with pytest.raises(ValueError, match="empty prompt"):
+        gen.add_request(1, [], ok)
+    with pytest.raises(ValueError, match="outside vocabulary"):
+        gen.add_request(1, [VOCAB], ok)
+    with pytest.raises(ValueError, match="exceeds max_seq_len"):
+        gen.add_request(1, [1] * 10, SamplingParams(max_new_tokens=8))
+    for bad in [dict(temperature=-1.0), dict(top_p=0.0), dict(top_k=0), dict(max_new_tokens=0)]:
+        with pytest.raises(ValueError, match="SamplingParams"):
+            gen.add_request(1, [1], SamplingParams(**bad))
+    gen.add_request(1, [1], ok)
+    with pytest.raises(ValueError, match="already"):
+        gen.add_request(1, [2], ok)
+    gen.abort(1)
+    with pytest.raises(ValueError, match="2 prompts but 1"):
+        gen.generate([[1], [2]], [ok])
+    with pytest.raises(ValueError, match="outside vocabulary"):
+        gen.generate([[1], [VOCAB + 5]], ok)
+    assert gen.num_unfinished() == 0   # a failed generate leaves nothing behind
+    with pytest.raises(ValueError, match="interrupt_mode"):
+        Generator(model, interrupt_mode="pause")
+    from transformers import GPT2Config, GPT2LMHeadModel
+    with pytest.raises(ValueError, match="gpt2"):
+        Generator(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
