@@ -1,0 +1,406 @@
+"""The DP x TP x PP decoupled-PPO trainer. Every train rank runs the same code on the same global batch.
+
+One train_step(trajectories):
+  1. split the global batch into `ppo_minibatches` contiguous minibatches; for each, split its sequences across
+     DP ranks (greedy token balance) and pack each rank's share into micro-batches under `micro_batch_tokens`
+     (AReaL dynamic batching) -- deterministic, so all stages and TP peers agree without talking;
+  2. decoupled PPO: recompute pi_prox with the current parameters for the whole batch (forward only, before any
+     update of this step), or use pi_behav (standard PPO);
+  3. per minibatch: 1F1B forward/backward (loss = token sum / global token count of the minibatch, so any split
+     sums to the single-process loss), sum tied-embedding grads between first and last stage, bucketed DP
+     all-reduce (SUM), clip by the global norm (each parameter counted once), AdamW step on fp32 master weights.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from parallel.packing import balanced_partition, dynamic_microbatches
+from parallel.pipeline import StageLinks, forward_only, train_1f1b
+from parallel.ppo import decoupled_ppo_terms, token_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
+from parallel.tensor_parallel import DecoderStage, packed_attention_mask, packed_position_ids
+
+
+@dataclass
+class TrainerConfig:
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    grad_clip: float | None = 1.0              # max global grad norm; None = no clipping
+    clip_eps: float = 0.2
+    behav_imp_weight_cap: float | None = None   # mask tokens with pi_prox/pi_behav above this
+    recompute_prox_logprobs: bool = True        # False: pi_prox := pi_behav (standard PPO)
+    temperature: float = 1.0
+    ppo_minibatches: int = 1
+    micro_batch_tokens: int = 8192
+    min_microbatches: int | None = None         # per DP rank and minibatch; None -> pp (keeps the pipeline full)
+    seed: int = 1
+    dtype: str = "float32"                      # "bfloat16": bf16 autocast compute, fp32 master weights + Adam
+    grad_bucket_mb: float = 25.0
+
+
+@dataclass
+class MicroBatch:
+    """One packed row of sequences (indices into the minibatch), aligned per position t (t predicts t+1)."""
+    seqs: list[int]
+    seq_lens: list[int]
+    input_ids: torch.Tensor      # [1, T]
+    targets: torch.Tensor        # [1, T]
+    loss_mask: torch.Tensor      # [1, T] bool: t predicts a response token
+    behav_logp: torch.Tensor     # [1, T]
+    advantages: torch.Tensor     # [1, T]
+    prox_logp: torch.Tensor | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[1]
+
+
+@dataclass
+class Minibatch:
+    num_valid_tokens: int                     # global count of response tokens (all DP ranks)
+    micro: list[MicroBatch] = field(default_factory=list)   # this DP rank's share
+
+
+def _check_trajectories(trajs: list, vocab_size: int) -> None:
+    if not trajs:
+        raise ValueError("train_step: empty trajectory list")
+    for i, tr in enumerate(trajs):
+        if len(tr.prompt_ids) < 1:
+            raise ValueError(f"trajectory {i}: empty prompt_ids (the first response token needs a context)")
+        if len(tr.behav_logprobs) != len(tr.response_ids):
+            raise ValueError(f"trajectory {i}: {len(tr.behav_logprobs)} behav_logprobs for "
+                             f"{len(tr.response_ids)} response tokens")
+        ids = list(tr.prompt_ids) + list(tr.response_ids)
+        if min(ids) < 0 or max(ids) >= vocab_size:
+            raise ValueError(f"trajectory {i}: token id outside [0, {vocab_size})")
+        if not all(math.isfinite(x) for x in tr.behav_logprobs) or not math.isfinite(tr.advantage):
+            raise ValueError(f"trajectory {i}: non-finite behav_logprobs or advantage")
+
+
+class Trainer:
+    def __init__(self, model_path_or_module: Any, groups, config: TrainerConfig, device: str | torch.device):
+        if not groups.is_train:
+            raise ValueError(f"Trainer: rank {groups.rank} has role {groups.role!r}, not 'train'")
+        if config.dtype not in ("float32", "bfloat16"):
+            raise ValueError(f"TrainerConfig.dtype must be 'float32' or 'bfloat16', got {config.dtype!r}")
+        if config.ppo_minibatches < 1:
+            raise ValueError(f"TrainerConfig.ppo_minibatches must be >= 1, got {config.ppo_minibatches}")
+        self.cfg, self.groups, self.device = config, groups, torch.device(device)
+        torch.manual_seed(config.seed)
+        hf_model = self._load(model_path_or_module)
+        self.hf_config = hf_model.config
+        n_layers = hf_model.config.num_hidden_layers
+        if groups.stage_layers[-1][1] != n_layers:
+            raise ValueError(f"plan stages cover layers [0,{groups.stage_layers[-1][1]}) "
+                             f"but the model has {n_layers} layers")
+        # HF state-dict names and shapes (tied models list both embed_tokens and lm_head), for gather
+        self.full_shapes = {n: tuple(t.shape) for n, t in hf_model.state_dict().items()
+                            if n.startswith(("model.embed_tokens", "model.layers.", "model.norm", "lm_head"))}
+        self.stage = DecoderStage(hf_model, groups.layers, groups.is_first_stage, groups.is_last_stage,
+                                  groups.tp_rank, groups.tp, groups.tp_group).to(self.device)
+        del hf_model
+        self.params = dict(self.stage.named_parameters())
+        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.lr, betas=config.betas, eps=config.eps,
+                                           weight_decay=config.weight_decay)
+        self.links = StageLinks.from_groups(groups, self.device)
+        self.autocast_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
+        self.step = 0
+
+    @staticmethod
+    def _load(src: Any):
+        if isinstance(src, torch.nn.Module):
+            return src
+        from transformers import AutoModelForCausalLM
+        return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+
+    # ------------------------------------------------------------------------------------------------------------
+    # batching
+
+    def _min_microbatches(self) -> int:
+        return self.cfg.min_microbatches if self.cfg.min_microbatches is not None else self.groups.pp
+
+    def _minibatch(self, trajs: list) -> Minibatch:
+        g = self.groups
+        lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
+        num_valid = sum(len(t.response_ids) for t in trajs)
+        mine = balanced_partition(lengths, g.dp)[g.dp_rank]
+        packs = dynamic_microbatches([lengths[i] for i in mine], self.cfg.micro_batch_tokens,
+                                     self._min_microbatches())
+        mb = Minibatch(num_valid_tokens=num_valid)
+        for pack in packs:
+            seqs = [mine[j] for j in pack]
+            ids, tgt, mask, behav, adv = [], [], [], [], []
+            for i in seqs:
+                tr = trajs[i]
+                seq = list(tr.prompt_ids) + list(tr.response_ids)
+                p, r = len(tr.prompt_ids), len(tr.response_ids)
+                ids += seq
+                tgt += seq[1:] + [0]
+                mask += [False] * (p - 1) + [True] * r + [False]
+                behav += [0.0] * (p - 1) + [float(x) for x in tr.behav_logprobs] + [0.0]
+                adv += [0.0] * (p - 1) + [float(tr.advantage)] * r + [0.0]
+            as_row = lambda xs, dt: torch.tensor(xs, dtype=dt, device=self.device)[None]
+            mb.micro.append(MicroBatch(seqs, [lengths[i] for i in seqs], as_row(ids, torch.long),
+                                       as_row(tgt, torch.long), as_row(mask, torch.bool),
+                                       as_row(behav, torch.float32), as_row(adv, torch.float32)))
+        return mb
+
+    # ------------------------------------------------------------------------------------------------------------
+    # forward pieces
+
+    def _stage_forward(self, m: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
+        """first stage reads token ids; returns hidden (fp32, to travel) or, on the last stage, local logits"""
+        inp = m.input_ids if self.groups.is_first_stage else x
+        pos = packed_position_ids(m.seq_lens, self.device)
+        mask = packed_attention_mask(m.seq_lens, self.device)
+        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
+                            enabled=self.autocast_dtype is not None):
+            out = self.stage(inp, pos, mask)
+        return out if self.groups.is_last_stage else out.float()
+
+    def _logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        g = self.groups
+        if g.tp == 1:
+            return token_logprobs_and_entropy(local_logits, targets, self.cfg.temperature)
+        return vocab_parallel_logprobs_and_entropy(local_logits, targets, self.stage.vocab_start, g.tp_group,
+                                                   self.cfg.temperature)
+
+    def _act_shape(self, micro: list[MicroBatch]):
+        hidden = self.hf_config.hidden_size
+        return lambda i: (1, micro[i].num_tokens, hidden)
+
+    @torch.no_grad()
+    def _recompute_prox(self, minibatches: list[Minibatch]) -> None:
+        micro = [m for mb in minibatches for m in mb.micro]
+
+        def step(i: int, x):
+            out = self._stage_forward(micro[i], x)
+            if self.groups.is_last_stage:
+                return self._logprobs(out, micro[i].targets)[0]
+            return out
+
+        outs = forward_only(self.links, len(micro), self._act_shape(micro), step)
+        for m, logp in zip(micro, outs):
+            m.prox_logp = logp.float()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # one minibatch: forward/backward, gradient synchronisation
+
+    def forward_backward(self, minibatch: Minibatch) -> torch.Tensor:
+        """Accumulates this rank's gradients for the minibatch (after tied-embedding and DP reduction).
+        Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, w_max] (zeros off the last
+        stage)."""
+        for p in self.params.values():
+            p.grad = torch.zeros_like(p)
+        stats = torch.zeros(7, dtype=torch.float64, device=self.device)
+        micro, n_global = minibatch.micro, minibatch.num_valid_tokens
+
+        def step(i: int, x):
+            m = micro[i]
+            out = self._stage_forward(m, x)
+            if not self.groups.is_last_stage:
+                return out
+            logp, entropy = self._logprobs(out, m.targets)
+            prox = m.prox_logp if m.prox_logp is not None else m.behav_logp
+            t = decoupled_ppo_terms(logp, prox, m.behav_logp, m.advantages, m.loss_mask, self.cfg.clip_eps,
+                                    self.cfg.behav_imp_weight_cap)
+            loss = t["pg"].sum() / n_global
+            valid = t["valid"]
+            w = t["imp_weight"][valid]
+            stats.add_(torch.stack([loss.detach(), valid.sum(), t["loss_mask"].sum(), t["clipped"].sum(), w.sum(),
+                                    entropy.detach()[valid].sum(), torch.zeros((), device=self.device)]).double())
+            if w.numel():
+                stats[6] = torch.maximum(stats[6], w.max().double())
+            return loss
+
+        train_1f1b(self.links, len(micro), self._act_shape(micro), step, self.groups.pp_rank, self.groups.pp)
+        self._sync_grads()
+        return stats
+
+    def _tied_across_stages(self) -> bool:
+        return self.stage.tied and self.groups.pp > 1
+
+    def _sync_grads(self) -> None:
+        g = self.groups
+        if self._tied_across_stages() and (g.is_first_stage or g.is_last_stage):
+            name = "model.embed_tokens.weight" if g.is_first_stage else "lm_head.weight"
+            dist.all_reduce(self.params[name].grad, group=g.embedding_group)
+        if g.dp > 1:
+            self._allreduce_buckets([p.grad for p in self.params.values()], g.dp_group)
+
+    def _allreduce_buckets(self, grads: list[torch.Tensor], group) -> None:
+        """SUM all-reduce in flat buckets of about grad_bucket_mb (last layers first, like DDP)"""
+        limit = int(self.cfg.grad_bucket_mb * 2 ** 20)
+        buckets: list[list[torch.Tensor]] = [[]]
+        size = 0
+        for grad in reversed(grads):
+            nbytes = grad.numel() * grad.element_size()
+            if buckets[-1] and size + nbytes > limit:
+                buckets.append([])
+                size = 0
+            buckets[-1].append(grad)
+            size += nbytes
+        for bucket in buckets:
+            if not bucket:
+                continue
+            flat = torch.cat([b.reshape(-1) for b in bucket])
+            dist.all_reduce(flat, group=group)
+            offset = 0
+            for b in bucket:
+                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                offset += b.numel()
+
+    def global_grad_norm(self) -> torch.Tensor:
+        """L2 norm of the full model's gradient: sharded params summed over TP, replicated ones (norms, row-parallel
+        biases) once, the tied lm_head copy not at all, DP replicas once."""
+        g = self.groups
+        sq = torch.zeros((), dtype=torch.float64, device=self.device)
+        if g.dp_rank == 0:
+            for name, p in self.params.items():
+                if self.stage.replicated_over_tp(name) and g.tp_rank != 0:
+                    continue
+                if name == "lm_head.weight" and self._tied_across_stages():
+                    continue
+                sq += p.grad.double().pow(2).sum()
+        dist.all_reduce(sq, group=g.train_group)
+        return sq.sqrt().float()
+
+    # ------------------------------------------------------------------------------------------------------------
+    # public API
+
+    def train_step(self, trajectories: list) -> dict[str, float]:
+        g, cfg = self.groups, self.cfg
+        _check_trajectories(trajectories, self.hf_config.vocab_size)
+        k = cfg.ppo_minibatches
+        if len(trajectories) < k:
+            raise ValueError(f"train_step: {len(trajectories)} trajectories cannot fill ppo_minibatches={k}")
+        bounds = [round(j * len(trajectories) / k) for j in range(k + 1)]
+        minibatches = [self._minibatch(trajectories[bounds[j]:bounds[j + 1]]) for j in range(k)]
+        for j, mb in enumerate(minibatches):
+            if mb.num_valid_tokens == 0:
+                raise ValueError(f"train_step: minibatch {j} has no response tokens to train on")
+        if cfg.recompute_prox_logprobs:
+            self._recompute_prox(minibatches)
+
+        totals = torch.zeros(7, dtype=torch.float64, device=self.device)
+        grad_norms = []
+        for mb in minibatches:
+            stats = self.forward_backward(mb)
+            norm = self.global_grad_norm()
+            grad_norms.append(norm.item())
+            if cfg.grad_clip is not None:
+                coef = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
+                for p in self.params.values():
+                    p.grad.mul_(coef.to(p.grad.dtype))
+            self.optimizer.step()
+            w_max = stats[6].clone()
+            totals[:6] += stats[:6]
+            totals[6] = torch.maximum(totals[6], w_max)
+        self.step += 1
+
+        sums, w_max = self._reduce_stats(totals)
+        n_mb = torch.tensor([float(len(mb.micro)) for mb in minibatches], device=self.device).sum()
+        if g.pp_rank != 0 or g.tp_rank != 0:
+            n_mb.zero_()
+        dist.all_reduce(n_mb, group=g.train_group)
+        loss, n_valid, n_loss, clipped, w_sum, ent_sum = sums
+        return {"loss": loss / k, "grad_norm": sum(grad_norms) / k, "pg_clipfrac": clipped / max(n_loss, 1.0),
+                "importance_weight_mean": w_sum / max(n_valid, 1.0), "importance_weight_max": w_max,
+                "entropy": ent_sum / max(n_valid, 1.0), "trained_tokens": n_valid, "num_microbatches": n_mb.item()}
+
+    def _reduce_stats(self, totals: torch.Tensor) -> tuple[list[float], float]:
+        """stats live on the last stage, replicated over TP: count TP rank 0 only, sum over DP (max for w)"""
+        g = self.groups
+        if not (g.is_last_stage and g.tp_rank == 0):
+            totals = torch.zeros_like(totals)
+        sums, w_max = totals[:6].clone(), totals[6:].clone()
+        dist.all_reduce(sums, group=g.train_group)
+        dist.all_reduce(w_max, op=dist.ReduceOp.MAX, group=g.train_group)
+        return sums.tolist(), w_max.item()
+
+    def compute_gradients(self, trajectories: list) -> float:
+        """The whole batch as one minibatch: leaves the synchronised (unclipped) gradients in the parameters,
+        takes no optimizer step; returns the loss (same on all ranks). For tests and diagnostics."""
+        _check_trajectories(trajectories, self.hf_config.vocab_size)
+        mb = self._minibatch(trajectories)
+        if self.cfg.recompute_prox_logprobs:
+            self._recompute_prox([mb])
+        return self._reduce_stats(self.forward_backward(mb))[0][0]
+
+    # ------------------------------------------------------------------------------------------------------------
+    # weights out: full HF state dict on the train head; checkpoints
+
+    def _stage_of(self, name: str) -> int:
+        g = self.groups
+        if name.startswith("model.embed_tokens"):
+            return 0
+        if name.startswith("model.layers."):
+            i = int(name.split(".")[2])
+            return next(s for s, (a, b) in enumerate(g.stage_layers) if a <= i < b)
+        return g.pp - 1
+
+    @torch.no_grad()
+    def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
+        """Every train rank calls. Train head gets {HF name: fp32 CPU tensor} (bitwise copies); others None."""
+        g = self.groups
+        if g.dp_rank != 0:
+            return None
+        names = [n for n in self.full_shapes if not (n == "lm_head.weight" and self.stage.tied)]
+        mine = [n for n in names if self._stage_of(n) == g.pp_rank]
+        full: dict[str, torch.Tensor] = {}
+        for n in mine:
+            p = self.params[n]
+            dim = self.stage.shard_specs.get(n)
+            if dim is None or g.tp == 1:
+                full[n] = p.detach()
+            else:
+                parts = [torch.empty_like(p) for _ in range(g.tp)]
+                dist.all_gather(parts, p.detach().contiguous(), group=g.tp_group)
+                full[n] = torch.cat(parts, dim=dim)
+        if g.tp_rank != 0:
+            return None
+        # other stages' (dp 0, tp 0) ranks send one flat fp32 buffer each to the head, in name order
+        if g.pp_rank != 0:
+            flat = torch.cat([full[n].float().reshape(-1) for n in mine])
+            dist.send(flat, g.pp_ranks[0], group=g.pp_group)
+            return None
+        out = {n: t.float().cpu().clone() for n, t in full.items()}
+        for s in range(1, g.pp):
+            theirs = [n for n in names if self._stage_of(n) == s]
+            flat = torch.empty(sum(math.prod(self.full_shapes[n]) for n in theirs), device=self.device)
+            dist.recv(flat, g.pp_ranks[s], group=g.pp_group)
+            offset = 0
+            for n in theirs:
+                size = math.prod(self.full_shapes[n])
+                out[n] = flat[offset:offset + size].view(self.full_shapes[n]).cpu().clone()
+                offset += size
+        if self.stage.tied:
+            out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
+        return {n: out[n] for n in self.full_shapes}
+
+    def _layout(self) -> dict:
+        g = self.groups
+        return {"dp": g.dp, "tp": g.tp, "pp": g.pp, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
+                "stage_layers": [list(x) for x in g.stage_layers]}
+
+    def checkpoint_state(self) -> dict:
+        return {"model": {n: p.detach().cpu().clone() for n, p in self.params.items()},
+                "optimizer": self.optimizer.state_dict(), "step": self.step, "layout": self._layout()}
+
+    def load_checkpoint_state(self, state: dict) -> None:
+        if state.get("layout") != self._layout():
+            raise ValueError(f"checkpoint layout {state.get('layout')} does not match this rank's {self._layout()}")
+        missing = set(self.params) ^ set(state["model"])
+        if missing:
+            raise ValueError(f"checkpoint parameter names differ from this shard's: {sorted(missing)[:5]}")
+        with torch.no_grad():
+            for n, p in self.params.items():
+                p.copy_(state["model"][n].to(p.device))
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
