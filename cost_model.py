@@ -500,10 +500,11 @@ def train_tokens_per_s(wl: Workload, train_s: float) -> float:
 
 # ----------------------------------------------------------------------------- weight sync, step
 
-def sync_seconds(model: ModelSpec, wl: Workload, eff: Efficiency, slowest_gbps: float) -> float:
-    """C_UPDATE: the new bf16 weights cross the slowest trainer->rollout-machine link once (NCCL broadcast
-    is pipelined, so the fan-out inside a machine and across replicas overlaps with it)."""
-    return eff.sync_latency_s + model.params * wl.bytes / (eff.link_eff * slowest_gbps * 1e9)
+def sync_seconds(model: ModelSpec, wl: Workload, eff: Efficiency, gbps: float, fraction: float = 1.0) -> float:
+    """C_UPDATE of `fraction` of the weights over one trainer->rollout-machine link: latency + bytes / (eff * bw).
+    The planner sums this over pipeline stages (one NIC receives them in turn) and takes the slowest rollout
+    machine: NCCL broadcast is pipelined, so the fan-out inside a machine and across replicas overlaps."""
+    return eff.sync_latency_s + fraction * model.params * wl.bytes / (eff.link_eff * gbps * 1e9)
 
 
 def step_seconds(rollout_s: float, train_s: float, sync_s: float, wl: Workload) -> float:

@@ -28,6 +28,7 @@ import time
 from dataclasses import dataclass, field
 from functools import lru_cache
 
+import mip
 import networkx as nx
 
 import cost_model as cm
@@ -119,6 +120,7 @@ class Planner:
         self._eval_cache: dict[tuple[int, ...], Evaluation] = {}
         self._rollout_cache: dict[tuple, tuple[float, list]] = {}
         self._configs_cache: dict[str, list[ReplicaConfig]] = {}
+        self._split_cache: dict[tuple, list[int] | None] = {}
 
     # ------------------------------------------------------------------ Phase 1a: training plan
     def train_plan(self, train_counts: tuple[int, ...]) -> TrainPlan | None:
@@ -159,7 +161,10 @@ class Planner:
             dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
             nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
             specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
-        layers = self._split_layers(types, dp, tp, pp)
+        key = (tuple(types), dp, tp, pp)
+        if key not in self._split_cache:
+            self._split_cache[key] = self._split_layers(types, dp, tp, pp)
+        layers = self._split_cache[key]
         if layers is None:
             return None
         stages = [StageSpec(t, l, ms, a, b, c) for (t, ms, a, b, c), l in zip(specs, layers)]
@@ -240,7 +245,6 @@ class Planner:
     def _type_rollout_milp(self, gpu_type: str, free: tuple[int, ...]) -> tuple[float, dict]:
         """Max sum y_psi h_psi for one GPU type, `free` = rollout GPUs per machine (sorted). Returns
         (tokens/s, {"y": {config index: count}, "patterns": [(machine slot, [tp sizes])]})."""
-        import mip
         configs = self.replica_configs(gpu_type)
         tps = sorted({c.tp for c in configs})
         if not configs or sum(free) == 0:
@@ -363,10 +367,13 @@ class Planner:
                                            rollout.seq_tokens_per_s)
         sync_s = inf
         if train and rollout:
-            train_m = {m for m, k in enumerate(train_counts) if k}
+            # each rollout machine pulls every stage's weights from its best-connected machine of that stage
+            stage_machines = [({self.gpu_machine[i] for i in ids}, layers) for _, layers, ids in train.stages]
             roll_m = {self.gpu_machine[i] for _, ids in rollout.replicas for i in ids}
-            slowest = min(max(self.cluster.link_gbps(r, t) for t in train_m) for r in roll_m)
-            sync_s = cm.sync_seconds(self.model, self.wl, self.eff, slowest)
+            sync_s = max(sum(cm.sync_seconds(self.model, self.wl, self.eff,
+                                             max(self.cluster.link_gbps(r, t) for t in ms), layers / self.model.layers)
+                             for ms, layers in stage_machines) for r in roll_m) - \
+                (len(stage_machines) - 1) * self.eff.sync_latency_s
         step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl) if math.isfinite(sync_s) else inf
         ev = Evaluation(train_counts, train, rollout, train_s, rollout_s, sync_s, step,
                         self.wl.tokens_per_step / step if math.isfinite(step) else 0.0)
@@ -428,7 +435,7 @@ class Planner:
         g = self.graph()
         cands = self.partition_candidates(g)
         c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
-        band = 0.5 * max(d["c"] for _, d in g.nodes(data=True)) / c_total
+        band = 0.5 * min(d["c"] for _, d in g.nodes(data=True)) / c_total
         best: Evaluation | None = None
         q, r, gamma = 0.0, 1.0, 1.0
         stable = 0
@@ -450,35 +457,68 @@ class Planner:
             if stable >= K or key in seen_gamma or r - q < band / 4:
                 break
             seen_gamma.add(key)
-        best = self._refine(best, g)
+        # alternate phases from the best few partitions the bisection visited (multi-start local search)
+        starts = sorted((e for e in self._eval_cache.values() if math.isfinite(e.step_s)), key=lambda e: e.step_s)[:3]
+        for ev in starts:
+            cand = self._refine(ev, g)
+            best = cand if cand.step_s < best.step_s else best
         if best is None or not math.isfinite(best.step_s):
             self._explain_infeasible()
         self.stats.seconds = time.perf_counter() - t0
         return best
 
+    def canonical(self, counts: tuple[int, ...]) -> tuple[int, ...]:
+        """Machines of one kind (type, size) are interchangeable unless links are given per machine pair:
+        sort trainer counts inside each kind so symmetric partitions share one cache entry."""
+        if self.cluster.machine_gbps:
+            return counts
+        out = list(counts)
+        for kind in machine_kinds(self.cluster):
+            for i, v in zip(kind, sorted((counts[i] for i in kind), reverse=True)):
+                out[i] = v
+        return tuple(out)
+
     def _refine(self, best: Evaluation, g: nx.Graph) -> Evaluation:
-        """Alternate: move trainer GPUs between roles (single-type steps and cross-type swaps) around the
-        incumbent, re-running Phase 1 on each neighbour, until no move improves the step time."""
+        """Alternate phases with local moves around the incumbent, re-running Phase 1 on each neighbour:
+        (a) per-type trainer counts, each type moved by 0, +-1, +-2, +-3, +-4 or +-8 GPUs at once;
+        (b) on clusters with <= 24 machines, one GPU on one machine (or from one machine to another).
+        Stops when no move improves the step time."""
         n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
-        start = {t: sum(k for m, k in zip(self.cluster.machines, best.train_counts) if m.gpu_type == t) for t in self.types}
-        deltas = [1, 2, 4, 8]
-        current = start
-        for _ in range(200):
-            moves = []
-            for t in self.types:
-                for d in deltas:
-                    moves += [{t: d}, {t: -d}]
-            for a, b in itertools.permutations(self.types, 2):
-                for d in deltas[:3]:
-                    moves.append({a: d, b: -d})
+        steps = [sorted({0} | {s * x for x in (1, 2, 3, 4, 8) if x <= n_type[t] for s in (-1, 1)})
+                 for t in self.types]
+        dirs = [d for d in itertools.product(*steps) if any(d)]
+        current = {t: sum(k for m, k in zip(self.cluster.machines, best.train_counts) if m.gpu_type == t)
+                   for t in self.types}
+        for _ in range(100):
             improved = False
-            for mv in moves:
-                cand = {t: current[t] + mv.get(t, 0) for t in self.types}
+            for d in dirs:
+                cand = {t: current[t] + x for t, x in zip(self.types, d)}
                 if any(v < 0 or v > n_type[t] for t, v in cand.items()):
                     continue
                 ev = self.evaluate(self.arrange(cand))
                 if ev.step_s < best.step_s * (1 - 1e-9):
                     best, current, improved = ev, cand, True
+            self.stats.history.append(best.step_s)
+            if not improved:
+                break
+        if len(self.cluster.machines) > 24:
+            return best
+        sizes = [m.gpus for m in self.cluster.machines]
+        for _ in range(100):
+            improved = False
+            base = list(best.train_counts)
+            moves = [(a, b) for a in range(len(sizes)) for b in range(-1, len(sizes)) if a != b]
+            for a, b in moves + [(-1, b) for b in range(len(sizes))]:
+                cand = list(base)
+                if a >= 0:
+                    cand[a] -= 1
+                if b >= 0:
+                    cand[b] += 1
+                if any(v < 0 or v > n for v, n in zip(cand, sizes)):
+                    continue
+                ev = self.evaluate(self.canonical(tuple(cand)))
+                if ev.step_s < best.step_s * (1 - 1e-9):
+                    best, improved = ev, True
             self.stats.history.append(best.step_s)
             if not improved:
                 break
@@ -507,8 +547,9 @@ class Planner:
         """Brute force over the same space: every per-machine trainer count, every replica multiset."""
         t0 = time.perf_counter()
         best = None
-        for counts in itertools.product(*[range(m.gpus + 1) for m in self.cluster.machines]):
-            ev = self.evaluate(tuple(counts), exhaustive=True)
+        # symmetric partitions (same counts permuted among interchangeable machines) are evaluated once
+        for counts in sorted({self.canonical(c) for c in itertools.product(*[range(m.gpus + 1) for m in self.cluster.machines])}):
+            ev = self.evaluate(counts, exhaustive=True)
             if best is None or ev.step_s < best.step_s:
                 best = ev
             self.stats.iterations += 1
