@@ -144,7 +144,9 @@ def main() -> int:
     def report(tag: str, ok: bool, detail: str) -> None:
         nonlocal failures
         failures += 0 if ok else 1
-        print(f"RESULT {'PASS' if ok else 'FAIL'} rank={rank} {tag} {detail}", flush=True)
+        # one write() per line: ranks share the pipe, and a single small write is not interleaved
+        sys.stdout.write(f"RESULT {'PASS' if ok else 'FAIL'} rank={rank} {tag} {detail}\n")
+        sys.stdout.flush()
 
     for kind in args.models.split(","):
         model = tiny_model(kind)
