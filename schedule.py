@@ -418,7 +418,7 @@ class Planner:
             beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + \
                 sum(k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b])
             m_i = sum((g.nodes[i]["gpus"] - k[i]) * g.nodes[i]["m"] for i in g.nodes)
-            out.append((share, beta_t / beta_total + m_i / m_total, per_type))
+            out.append((share, beta_t / max(beta_total, 1e-12) + m_i / m_total, per_type))
         return out
 
     def graph_partition(self, cands: list, gamma: float, band: float) -> dict[str, int]:
@@ -432,6 +432,10 @@ class Planner:
     def solve(self, K: int = 6, max_iterations: int = 60) -> Evaluation:
         """Algorithm 1: bisect gamma on C_T vs C_I with Eq. 3 partitions, then alternate local moves."""
         t0 = time.perf_counter()
+        if self.cluster.n_gpus < 2:
+            raise PlanError(f"role left empty: {self.cluster.n_gpus} GPU cannot hold both a trainer and a rollout replica")
+        if self.forced_layout:
+            return self._solve_forced(t0)
         g = self.graph()
         cands = self.partition_candidates(g)
         c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
@@ -465,6 +469,20 @@ class Planner:
         if best is None or not math.isfinite(best.step_s):
             self._explain_infeasible()
         self.stats.seconds = time.perf_counter() - t0
+        return best
+
+    def _solve_forced(self, t0: float) -> Evaluation:
+        """--train-layout dp,tp,pp fixes |D_T|: try every per-type split of that many trainer GPUs."""
+        need = math.prod(self.forced_layout)
+        n_type = [sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types]
+        best = None
+        for combo in itertools.product(*[range(n + 1) for n in n_type]):
+            if sum(combo) == need:
+                ev = self.evaluate(self.arrange(dict(zip(self.types, combo))))
+                best = ev if best is None or ev.step_s < best.step_s else best
+        self.stats.iterations, self.stats.seconds = self.stats.evaluations, time.perf_counter() - t0
+        if best is None or not math.isfinite(best.step_s):
+            self._explain_infeasible()
         return best
 
     def canonical(self, counts: tuple[int, ...]) -> tuple[int, ...]:
@@ -526,6 +544,10 @@ class Planner:
 
     def _explain_infeasible(self) -> None:
         m = self.model
+        if self.forced_layout:
+            raise PlanError(f"--train-layout {','.join(map(str, self.forced_layout))} leaves no valid plan (needs "
+                            f"dp*tp*pp trainer GPUs of one type per stage, tp dividing {m.heads} heads, memory, and "
+                            f">= 1 rollout GPU among {self.cluster.n_gpus})")
         fits_train = fits_roll = False
         for t in self.types:
             if self.replica_configs(t):
@@ -537,9 +559,6 @@ class Planner:
                             f"(TP inside one machine, PP <= 8) on GPU types {self.types}")
         if not fits_train:
             raise PlanError(f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster")
-        if self.forced_layout:
-            raise PlanError(f"--train-layout {self.forced_layout} leaves no valid plan (needs dp*tp*pp trainer GPUs "
-                            f"of one type per stage and >= 1 rollout GPU among {self.cluster.n_gpus})")
         raise PlanError("role left empty: no split gives both a feasible trainer set and a feasible rollout set")
 
     # ------------------------------------------------------------------ --exhaustive

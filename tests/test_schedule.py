@@ -1,0 +1,238 @@
+"""Planner tests: optimality vs --exhaustive, plan-JSON invariants, objectives, and clear errors."""
+from __future__ import annotations
+
+import json
+import math
+import random
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cost_model as cm  # noqa: E402
+import schedule as sc  # noqa: E402
+
+TYPES = {  # the paper's two GPUs plus two made-up ones, so 3-type clusters exist
+    "A": cm.GPUType("A", 80, 756, 2.0, 5.28, 200), "B": cm.GPUType("B", 96, 148, 4.0, 1.85, 450),
+    "C": cm.GPUType("C", 48, 362, 0.86, 1.2, 64), "D": cm.GPUType("D", 24, 165, 1.0, 0.8, 32)}
+SMALL_MODEL = cm.load_model("qwen2.5-0.5b")
+WL = cm.Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=256, gen_samples=[300, 800, 1500, 4000],
+                 eta=2, microbatch_tokens=8192)
+
+
+def random_cluster(seed: int, max_gpus: int = 12) -> cm.Cluster:
+    rng = random.Random(seed)
+    types = rng.sample(sorted(TYPES), rng.choice([2, 3]))
+    machines, total = [], 0
+    for t in types:
+        for _ in range(rng.randint(1, 2)):
+            n = rng.choice([1, 2, 2, 4])
+            if total + n > max_gpus:
+                break
+            machines.append(cm.Machine(len(machines), t, n))
+            total += n
+    inter = {}
+    for i, a in enumerate(sorted(types)):
+        for b in sorted(types)[i:]:
+            inter[(a, b)] = rng.choice([5.0, 10.0]) if a == b else rng.choice([1.5, 3.0])
+    return cm.Cluster(f"rand{seed}", {t: TYPES[t] for t in types}, machines, inter)
+
+
+def tiny_config(tmp_path: Path, **over) -> Path:
+    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
+    cfg.update(over)
+    d = tmp_path / "tiny"
+    d.mkdir(exist_ok=True)
+    (d / "config.json").write_text(json.dumps(cfg))
+    return d
+
+
+# ----------------------------------------------------------------------------- optimality
+
+def test_planner_matches_exhaustive_on_50_random_small_clusters():
+    t0 = time.perf_counter()
+    ratios = []
+    for seed in range(50):
+        cluster = random_cluster(seed)
+        assert cluster.n_gpus <= 12 and 2 <= len({m.gpu_type for m in cluster.machines}) <= 3
+        fast = sc.Planner(cluster, SMALL_MODEL, WL).solve()
+        brute = sc.Planner(cluster, SMALL_MODEL, WL).exhaustive()
+        assert fast.tokens_per_s <= brute.tokens_per_s * (1 + 1e-9), f"seed {seed}: planner beat brute force"
+        ratios.append((fast.tokens_per_s / brute.tokens_per_s, seed))
+    worst = min(ratios)
+    assert worst[0] >= 0.99, f"seed {worst[1]}: planner reaches only {worst[0]:.4f} of the exhaustive optimum"
+    assert time.perf_counter() - t0 < 90
+
+
+def test_training_bound_workload_is_planned_too():
+    """The paper assumes C_I > C_T; a workload with short generations and many PPO passes is training-bound."""
+    wl = cm.Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=1024, gen_samples=[64], eta=2,
+                     ppo_minibatches=8, train_passes=12.0)
+    cluster = random_cluster(3)
+    fast = sc.Planner(cluster, SMALL_MODEL, wl).solve()
+    brute = sc.Planner(cluster, SMALL_MODEL, wl).exhaustive()
+    assert fast.train_s > fast.rollout_s or brute.train_s > brute.rollout_s
+    assert fast.tokens_per_s >= 0.99 * brute.tokens_per_s
+
+
+def test_rollout_milp_equals_brute_force():
+    cluster = cm.Cluster("r", {"A": TYPES["A"]}, [cm.Machine(i, "A", n) for i, n in enumerate([4, 2, 1, 3])],
+                         {("A", "A"): 5.0})
+    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    p = sc.Planner(cluster, model, WL)
+    for free in [(4,), (3, 2), (4, 2, 1), (4, 3, 2, 1), (1, 1, 1)]:
+        milp, sol = p._type_rollout_milp("A", free)
+        brute, _ = p._type_rollout_brute("A", free)
+        assert milp == pytest.approx(brute, rel=1e-9), free
+        used = sum(p.replica_configs("A")[i].tp * p.replica_configs("A")[i].pp * n for i, n in sol["y"].items())
+        assert used <= sum(free)
+
+
+# ----------------------------------------------------------------------------- plan JSON invariants
+
+def check_plan(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec) -> None:
+    ranks = plan["ranks"]
+    assert plan["world_size"] == len(ranks) == cluster.n_gpus
+    assert [r["rank"] for r in ranks] == list(range(len(ranks)))
+    roles = {r["role"] for r in ranks}
+    assert roles == {"train", "rollout"}
+    tr = plan["train"]
+    train = [r for r in ranks if r["role"] == "train"]
+    assert len(train) == tr["dp"] * tr["tp"] * tr["pp"]
+    for i, r in enumerate(train):  # the trainer's rank convention: tp fastest, then dp, then pp
+        assert (r["tp"], r["dp"], r["pp"]) == (i % tr["tp"], (i // tr["tp"]) % tr["dp"], i // (tr["tp"] * tr["dp"]))
+    bounds = [s["layers"] for s in tr["stages"]]
+    assert bounds[0][0] == 0 and bounds[-1][1] == model.layers
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(bounds, bounds[1:]))
+    for s in tr["stages"]:
+        members = [ranks[i] for i in s["ranks"]]
+        assert len(members) == tr["dp"] * tr["tp"]
+        assert all(m["pp"] == s["pp"] and m["gpu_type"] == s["gpu_type"] and m["layers"] == s["layers"] for m in members)
+    reps = plan["rollout"]["replicas"]
+    assert sum(r["share"] for r in reps) == pytest.approx(1.0)
+    seen = set()
+    for rep in reps:
+        assert len(rep["ranks"]) == rep["tp"] * rep["pp"]
+        for k in range(rep["pp"]):  # every TP group inside one machine, one GPU type
+            group = [ranks[i] for i in rep["ranks"][k * rep["tp"]:(k + 1) * rep["tp"]]]
+            assert len({g["machine"] for g in group}) == 1
+        for i in rep["ranks"]:
+            assert ranks[i]["role"] == "rollout" and ranks[i]["replica"] == rep["id"] and ranks[i]["gpu_type"] == rep["gpu_type"]
+            seen.add(i)
+    per_machine = {}
+    for r in ranks:
+        per_machine[r["machine"]] = per_machine.get(r["machine"], 0) + 1
+        assert r["gpu_type"] == cluster.machines[r["machine"]].gpu_type
+    assert per_machine == {m.index: m.gpus for m in cluster.machines}
+    pr = plan["predicted"]
+    assert pr["step_s"] == pytest.approx(pr["sync_s"] + max(pr["rollout_s"] + pr["reward_s"], pr["train_s"]))
+    assert pr["tokens_per_s"] > 0 and pr["dollars_per_hour"] == pytest.approx(cluster.dollars_per_hour())
+    assert set(plan["solver"]) >= {"seconds", "iterations", "status"}
+
+
+@pytest.mark.parametrize("seed", [0, 7, 12])
+def test_plan_json_invariants_random(seed):
+    cluster = random_cluster(seed)
+    check_plan(sc.plan(cluster, SMALL_MODEL, WL), cluster, SMALL_MODEL)
+
+
+def test_plan_json_invariants_paper_cluster():
+    cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    plan = sc.plan(cluster, model, cm.Workload(prompts_per_step=64, gen_samples=[2000, 5000]))
+    check_plan(plan, cluster, model)
+    assert json.loads(json.dumps(plan)) == plan
+
+
+# ----------------------------------------------------------------------------- cpu cluster and CLI
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, str(ROOT / "schedule.py"), *args], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+
+
+def test_cpu_cluster_cli_gives_valid_rank_map(tmp_path):
+    model_dir = tiny_config(tmp_path)
+    out = tmp_path / "plan.json"
+    res = run_cli("--cluster", "exp/clusters/cpu.yaml", "--model", str(model_dir), "--nproc", "3",
+                  "--prompts", "8", "--samples", "4", "--prompt-len", "32", "--gen-mean", "64", "--out", str(out), "--plot")
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(out.read_text())
+    check_plan(plan, cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 3), cm.load_model(model_dir))
+    assert (tmp_path / "plan.png").stat().st_size > 1000
+    assert "tokens/s" in res.stdout
+
+
+def test_forced_train_layout(tmp_path):
+    model = cm.load_model(tiny_config(tmp_path))
+    wl = cm.Workload(prompts_per_step=8, samples_per_prompt=4, prompt_len=32, gen_samples=[64])
+    for layout, n in [((1, 2, 1), 4), ((1, 1, 2), 4), ((2, 1, 1), 3), ((1, 1, 3), 4)]:
+        cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", n)
+        plan = sc.plan(cluster, model, wl, train_layout=layout)
+        check_plan(plan, cluster, model)
+        assert (plan["train"]["dp"], plan["train"]["tp"], plan["train"]["pp"]) == layout
+        assert sum(r["role"] == "rollout" for r in plan["ranks"]) == n - math.prod(layout)
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--cluster", "exp/clusters/cpu.yaml", "--model", "deepseek-r1-distill-qwen-14b"], "memory"),
+    (["--cluster", "exp/clusters/hetero_32.yaml", "--model", "qwen2.5-0.5b", "--budget", "3"], "budget"),
+    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--nproc", "1"], "--nproc"),
+    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--train-layout", "4,1,1"], "train-layout"),
+    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--train-layout", "x"], "dp,tp,pp"),
+    (["--cluster", "nope.yaml", "--model", "qwen2.5-0.5b"], "cluster spec not found"),
+    (["--cluster", "exp/clusters/cpu.yaml", "--model", "no-such-model"], "model config not found"),
+    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--eta", "-1"], "eta"),
+])
+def test_cli_errors_are_one_line(args, needle):
+    res = run_cli(*args)
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
+
+
+def test_role_left_empty_is_an_error():
+    cluster = cm.Cluster("one", {"A": TYPES["A"]}, [cm.Machine(0, "A", 1)], {("A", "A"): 5.0})
+    with pytest.raises(sc.PlanError, match="role left empty"):
+        sc.Planner(cluster, SMALL_MODEL, WL).solve()
+
+
+# ----------------------------------------------------------------------------- objectives
+
+def test_budget_and_min_cost_objectives():
+    cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    wl = cm.Workload(prompts_per_step=32, gen_samples=[1000, 3000])
+    full = sc.plan(cluster, SMALL_MODEL, wl)
+    capped = sc.plan(cluster, SMALL_MODEL, wl, budget=60.0)
+    assert capped["predicted"]["dollars_per_hour"] <= 60.0 + 1e-9
+    assert capped["predicted"]["tokens_per_s"] <= full["predicted"]["tokens_per_s"] * (1 + 1e-9)
+    target = 0.5 * full["predicted"]["tokens_per_s"]
+    cheap = sc.plan(cluster, SMALL_MODEL, wl, min_tokens_per_s=target)
+    assert cheap["predicted"]["tokens_per_s"] >= target
+    assert cheap["predicted"]["dollars_per_hour"] <= full["predicted"]["dollars_per_hour"]
+    for cost, sub in sc.sub_clusters(cluster):  # nothing cheaper reaches the target
+        if cost < cheap["predicted"]["dollars_per_hour"] - 1e-9:
+            try:
+                ev = sc.Planner(sub, SMALL_MODEL, wl).solve()
+            except sc.PlanError:
+                continue
+            assert ev.tokens_per_s < target
+    with pytest.raises(sc.PlanError, match="throughput"):
+        sc.plan(cluster, SMALL_MODEL, wl, min_tokens_per_s=10 * full["predicted"]["tokens_per_s"])
+
+
+def test_more_hbm_bandwidth_goes_to_rollout():
+    """The paper's thesis on its own GPUs: H20s decode, H800s train (7B, long generations)."""
+    cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    wl = cm.Workload(prompts_per_step=64, prompt_len=256, gen_samples=[1000, 2000, 4000, 12000], eta=4)
+    plan = sc.plan(cluster, model, wl)
+    h800 = [r for r in plan["ranks"] if r["gpu_type"] == "H800"]
+    h20 = [r for r in plan["ranks"] if r["gpu_type"] == "H20"]
+    assert sum(r["role"] == "train" for r in h800) / len(h800) > sum(r["role"] == "train" for r in h20) / len(h20)
