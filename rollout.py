@@ -144,10 +144,11 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
     top-p of the renormalised remainder (the order HF applies them); logprobs are never truncated.
     """
     greedy = temperature == 0
-    scaled = logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+    scaled = logits if all_greedy else logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
     logp = torch.log_softmax(scaled, dim=-1)
-    tokens = logits.argmax(dim=-1)
-    if not bool(greedy.all()):
+    tokens = logits.argmax(dim=-1) if any_greedy else None
+    if not all_greedy:
         vocab = logits.shape[1]
         if truncate:
             sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
@@ -164,7 +165,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
         target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
         idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
         drawn = order.gather(1, idx.unsqueeze(1)).squeeze(1) if truncate else idx
-        tokens = torch.where(greedy, tokens, drawn)
+        tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
@@ -362,7 +363,7 @@ class Generator:
     def num_unfinished(self) -> int:
         return len(self.requests)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Admit waiting requests into free slots (prefill), then ONE batched decode step for all
         running slots. Returns the requests that finished in this step."""
@@ -409,7 +410,8 @@ class Generator:
         return finished
 
     def _sample(self, logits: torch.Tensor, running: list[_Request]) -> tuple[list[int], list[float]]:
-        rows = torch.tensor([r.slot for r in running], device=self.device)
+        if len(running) < logits.shape[0]:   # drop the rows of idle slots
+            logits = logits[torch.tensor([r.slot for r in running], device=self.device)]
         params = [r.params for r in running]
         dev = self.device
         temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
@@ -418,7 +420,7 @@ class Generator:
         seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)
         counters = torch.tensor([len(r.token_ids) for r in running], dtype=torch.int64, device=dev)
         truncate = any(p.temperature > 0 and (p.top_p < 1.0 or 0 < p.top_k < self.vocab_size) for p in params)
-        tokens, logprobs = sample_tokens(logits[rows], temperature, top_p, top_k,
+        tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k,
                                          counter_uniform(seeds, counters), truncate)
         return tokens.tolist(), logprobs.tolist()
 

@@ -1,0 +1,230 @@
+"""Rollout throughput: our Generator vs HF `generate`, on the same model and the same requests.
+
+    HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py                       # all models, both workloads
+    HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py --models rand-256x4 --requests 64   # quick
+
+Workloads
+  rl     RL-shaped: P prompts x 4 samples (256 requests by default), temperature 1.0, up to 256 new tokens,
+         32 slots. HF is called the way a user calls it: batches of 32, left padding, do_sample=True.
+  greedy fixed-length greedy: every request generates exactly --greedy-tokens tokens (no stop).
+
+Long tails. A trained model (exp/tiny-model) ends on its own EOS, and both generators stop on it.
+Random-init models almost never emit EOS, so each request gets its own length limit drawn from a
+long-tailed law (lognormal, median 40, clipped to [4, 256]); we pass it as the request's
+max_new_tokens, and HF gets the same per-row limits through a StoppingCriteria that marks a row done
+at its limit (HF then pads that row until the whole batch is done -- exactly what it does after EOS).
+
+Figures: useful tokens/s = generated tokens (EOS included, padding excluded) / wall seconds.
+Achieved GB/s = decode forward passes x weight bytes / seconds (the dominant HBM traffic of decode);
+achieved FLOP/s = 2 x parameters x useful tokens / seconds. Peaks are measured here: a square fp32
+matmul and a large tensor copy (read + write bytes).
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("WANDB_MODE", "disabled")
+
+import torch
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from rollout import Generator, SamplingParams  # noqa: E402
+
+TINY_DIR = ROOT / "exp" / "tiny-model"
+RANDOM_CONFIGS = {   # random-init stand-ins when (or besides) the shipped tiny model
+    "rand-256x4": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
+                       num_key_value_heads=4, vocab_size=8192),
+    "rand-30m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
+                     num_key_value_heads=4, vocab_size=16384),
+}
+
+
+# ----------------------------------------------------------------------------- machine peaks
+
+def measure_peaks(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
+    """(matmul FLOP/s, copy GB/s) measured in about a second."""
+    n = 2048 if device.type == "cuda" else 512
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    src = torch.empty(64 * 2**20 // 4, device=device)
+    dst = torch.empty_like(src)
+
+    def timed(fn, reps):
+        fn()
+        sync(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        sync(device)
+        return (time.perf_counter() - t0) / reps
+
+    flops = 2 * n**3 / timed(lambda: a @ b, 20)
+    gbs = 2 * src.numel() * 4 / timed(lambda: dst.copy_(src), 10) / 1e9
+    return flops, gbs
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+# ----------------------------------------------------------------------------- workloads
+
+class RowLimits(StoppingCriteria):
+    """Marks row i done once it has generated limits[i] tokens (HF stops when all rows are done)."""
+
+    def __init__(self, prompt_width: int, limits: list[int]):
+        self.prompt_width, self.limits = prompt_width, torch.tensor(limits)
+
+    def __call__(self, input_ids, scores, **kwargs):
+        return (input_ids.shape[1] - self.prompt_width) >= self.limits.to(input_ids.device)
+
+
+def make_prompts(model_name: str, n_prompts: int, rng: random.Random, vocab: int) -> list[list[int]]:
+    if model_name == "tiny":   # the task's real prompts, so the model's own EOS ends them
+        from transformers import AutoTokenizer
+        from tasks import format_prompt, make_arith_dataset
+        tok = AutoTokenizer.from_pretrained(TINY_DIR)
+        rows = make_arith_dataset(0, n_prompts, seed=123)["test"]
+        return [tok(format_prompt(r["question"]))["input_ids"] for r in rows]
+    return [[rng.randrange(1, vocab) for _ in range(rng.randint(16, 64))] for _ in range(n_prompts)]
+
+
+def long_tailed_limits(n: int, rng: random.Random, cap: int) -> list[int]:
+    return [max(4, min(cap, round(math.exp(rng.gauss(math.log(40), 1.0))))) for _ in range(n)]
+
+
+def run_ours(model, prompts, limits, temperature, stop, slots, max_seq_len, seed=0):
+    gen = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len)
+    params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=lim,
+                             stop_token_ids=stop, seed=seed + i) for i, lim in enumerate(limits)]
+    sync(gen.device)
+    t0 = time.perf_counter()
+    outs = gen.generate(prompts, params)
+    sync(gen.device)
+    seconds = time.perf_counter() - t0
+    return sum(len(o.token_ids) for o in outs), seconds, gen.stats.decode_steps
+
+
+def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
+    device = next(model.parameters()).device
+    useful, steps, seconds = 0, 0, 0.0
+    for start in range(0, len(prompts), batch):
+        chunk, lims = prompts[start:start + batch], limits[start:start + batch]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+        kwargs = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
+            dict(do_sample=False)
+        sync(device)
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lims), pad_token_id=pad_id,
+                                 eos_token_id=stop or None,
+                                 stopping_criteria=StoppingCriteriaList([RowLimits(width, lims)]), **kwargs)
+        sync(device)
+        seconds += time.perf_counter() - t0
+        gen = out[:, width:].tolist()
+        steps += len(gen[0])
+        for row, lim in zip(gen, lims):   # useful = up to the row's limit or its first stop token
+            row = row[:lim]
+            ends = [i for i, t in enumerate(row) if t in stop]
+            useful += ends[0] + 1 if ends else len(row)
+    return useful, seconds, steps
+
+
+# ----------------------------------------------------------------------------- main
+
+def load_model(name: str, device: torch.device, dtype: torch.dtype):
+    if name == "tiny":
+        model = AutoModelForCausalLM.from_pretrained(TINY_DIR, dtype=torch.float32)
+        stop = [model.config.eos_token_id]
+    else:
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**RANDOM_CONFIGS[name], max_position_embeddings=512,
+                                             eos_token_id=None, bos_token_id=None, pad_token_id=0))
+        stop = []
+    model.generation_config.eos_token_id = None   # only the stop ids we pass count, for both sides
+    return model.to(device=device, dtype=dtype).eval(), stop
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="tiny,rand-256x4,rand-30m",
+                    help="comma list of: tiny (exp/tiny-model, skipped if absent), " + ", ".join(RANDOM_CONFIGS))
+    ap.add_argument("--requests", type=int, default=256, help="RL workload size (prompts x 4 samples)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    ap.add_argument("--greedy-requests", type=int, default=64)
+    ap.add_argument("--greedy-tokens", type=int, default=128)
+    ap.add_argument("--slots", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workloads", default="rl,greedy")
+    args = ap.parse_args()
+    if args.requests % 4:
+        raise SystemExit(f"--requests must be a multiple of 4 (prompts x 4 samples), got {args.requests}")
+    torch.set_num_threads(args.threads)
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    peak_flops, peak_gbs = measure_peaks(device, dtype)
+    print(f"device {device} {dtype}, threads {args.threads}: peak matmul {peak_flops / 1e9:.1f} GFLOP/s, "
+          f"copy {peak_gbs:.1f} GB/s")
+
+    rows = []
+    for name in args.models.split(","):
+        if name == "tiny" and not (TINY_DIR / "config.json").exists():
+            print(f"skip tiny: {TINY_DIR} not built")
+            continue
+        model, stop = load_model(name, device, dtype)
+        n_params = sum(p.numel() for p in model.parameters())
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        rng = random.Random(0)
+        vocab = model.config.vocab_size
+        for workload in args.workloads.split(","):
+            if workload == "rl":
+                base = make_prompts(name, args.requests // 4, rng, vocab)
+                prompts = [p for p in base for _ in range(4)]
+                limits = [args.max_new_tokens] * len(prompts) if stop else \
+                    long_tailed_limits(len(prompts), rng, args.max_new_tokens)
+                temperature, wl_stop = 1.0, stop
+            else:
+                prompts = make_prompts(name, args.greedy_requests, rng, vocab)
+                limits, temperature, wl_stop = [args.greedy_tokens] * len(prompts), 0.0, []
+            max_seq_len = max(len(p) for p in prompts) + max(limits)
+            run_ours(model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, max_seq_len)   # warm-up
+            run_hf(model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, 0)
+            for engine in ("ours", "hf"):
+                if engine == "ours":
+                    useful, seconds, steps = run_ours(model, prompts, limits, temperature, wl_stop, args.slots,
+                                                      max_seq_len)
+                else:
+                    useful, seconds, steps = run_hf(model, prompts, limits, temperature, wl_stop, args.slots, 0)
+                rows.append(dict(model=f"{name} ({n_params / 1e6:.1f}M)", workload=workload, engine=engine,
+                                 tokens=useful, steps=steps, seconds=seconds, tps=useful / seconds,
+                                 gbs=steps * weight_bytes / seconds / 1e9,
+                                 flops=2 * n_params * useful / seconds))
+                print(f"  {name:10s} {workload:6s} {engine:4s} {useful:7d} tok {steps:5d} steps "
+                      f"{seconds:7.2f} s {useful / seconds:9.1f} tok/s", flush=True)
+
+    print("\n| model | workload | engine | useful tokens | decode steps | s | tok/s | ratio | GB/s (% peak) "
+          "| GFLOP/s (% peak) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        hf = next(r for r in rows if r["model"] == row["model"] and r["workload"] == row["workload"]
+                  and r["engine"] == "hf")
+        print(f"| {row['model']} | {row['workload']} | {row['engine']} | {row['tokens']} | {row['steps']} | "
+              f"{row['seconds']:.2f} | {row['tps']:.0f} | {row['tps'] / hf['tps']:.2f}x | "
+              f"{row['gbs']:.1f} ({100 * row['gbs'] / peak_gbs:.0f}%) | "
+              f"{row['flops'] / 1e9:.2f} ({100 * row['flops'] / peak_flops:.0f}%) |")
+
+
+if __name__ == "__main__":
+    main()
