@@ -258,6 +258,7 @@ class _VerifierProcess:
         self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                         text=True, bufsize=1, close_fds=True)
         self.ready = False
+        self.dead = False
         self.job: tuple | None = None  # (key, answer, gold, started_at) while busy
 
     def _readable(self, wait_s: float) -> bool:
@@ -288,8 +289,12 @@ class _VerifierProcess:
         return self._readable(wait_s)
 
     def _recv(self) -> str:
-        line = self.process.stdout.readline().strip()  # one short line, written whole: never blocks once readable
-        return line if line in REASONS or line == "ready" else "parse_error"  # '' = worker died mid-job
+        line = self.process.stdout.readline()  # one short line, written whole: never blocks once readable
+        if not line:  # EOF: the worker died (crash, OOM kill); the job that killed it scores parse_error
+            self.dead = True
+            return "parse_error"
+        line = line.strip()
+        return line if line in REASONS or line == "ready" else "parse_error"
 
     def recv(self) -> str:
         return self._recv()
@@ -325,7 +330,9 @@ _shared_lock = threading.Lock()
 
 
 def _verify_with_timeout(answer: str, gold: str, timeout_s: float) -> str:
-    """math-verify in the process-wide shared worker; kills and forgets it if it exceeds timeout_s."""
+    """math-verify in the process-wide shared worker; kills and replaces it past timeout_s.
+
+    The bound covers the verification only; a worker that is still starting (imports) is waited for first."""
     global _shared_verifier, _shared_pid
     with _shared_lock:
         if _shared_verifier is None or _shared_pid != os.getpid():
@@ -335,11 +342,11 @@ def _verify_with_timeout(answer: str, gold: str, timeout_s: float) -> str:
         verifier.send(answer, gold)
         if verifier.has_result(timeout_s):
             reason = verifier.recv()
-            if not verifier.is_alive():
-                _shared_verifier = None
+            if verifier.dead:
+                _shared_verifier = _VerifierProcess()
             return reason
-        verifier.kill()  # the next call starts a fresh worker
-        _shared_verifier = None
+        verifier.kill()
+        _shared_verifier = _VerifierProcess()  # replacement starts importing now, in the background
         return "timeout"
 
 
@@ -518,7 +525,7 @@ class RewardPool:
                 _cache.put((answer, gold_answer), reason)
                 self._in_flight -= 1
                 self._finish(key, _details(reason, answer), time.monotonic() - started)
-                if not worker.is_alive():  # crashed mid-job: replace it
+                if worker.dead:  # crashed mid-job: replace it
                     self._workers[i] = _VerifierProcess(self.memory_budget_bytes)
             elif now - started > self.limits.timeout_s:
                 worker.kill()
