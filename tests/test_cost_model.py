@@ -1,0 +1,149 @@
+"""Cost-model tests: spec parsing, exact parameter counts, roofline regimes, memory, training and sync formulas."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cost_model as cm  # noqa: E402
+
+H800 = cm.GPUType("H800", 80, 756, 2.0, 5.28, 200)
+H20 = cm.GPUType("H20", 96, 148, 4.0, 1.85, 450)
+
+
+def test_parameter_count_matches_transformers_exactly(tmp_path):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.set_num_threads(1)
+    cases = [
+        transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
+        transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
+                                 num_key_value_heads=6, vocab_size=200, tie_word_embeddings=False),
+        transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
+        transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
+                                   num_key_value_heads=2, vocab_size=128, head_dim=16),
+    ]
+    for cfg in cases:
+        d = tmp_path / cfg.model_type
+        cfg.save_pretrained(d)
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+        assert cm.load_model(d).params == sum(p.numel() for p in model.parameters()), cfg.model_type
+
+
+def test_shipped_model_shapes():
+    sizes = {"deepseek-r1-distill-qwen-1.5b": 1.777e9, "deepseek-r1-distill-qwen-7b": 7.616e9,
+             "deepseek-r1-distill-qwen-14b": 14.770e9, "qwen2.5-0.5b": 0.494e9}
+    for name, n in sizes.items():
+        assert cm.load_model(name).params == pytest.approx(n, rel=1e-3)
+        assert cm.load_model(ROOT / "exp/models" / f"{name}.json").params == cm.load_model(name).params
+
+
+def test_bad_specs_name_the_problem(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
+    with pytest.raises(cm.SpecError, match="num_attention_heads|num_hidden_layers|intermediate|vocab"):
+        cm.load_model(tmp_path)
+    spec = {"gpu_types": {"X": {"hbm_gb": 1, "tflops": 1, "hbm_tbps": 1, "dollars_per_hour": 1, "intra_gbps": 1}},
+            "machines": [{"gpu_type": "Y", "gpus": 2}]}
+    with pytest.raises(cm.SpecError, match="gpu_type 'Y'"):
+        cm.cluster_from_dict(spec)
+    spec["machines"] = [{"gpu_type": "X", "gpus": 2, "count": 2}]
+    with pytest.raises(cm.SpecError, match="inter_gbps lacks 'X-X'"):
+        cm.cluster_from_dict(spec)
+    del spec["gpu_types"]["X"]["tflops"]
+    with pytest.raises(cm.SpecError, match="numeric"):
+        cm.cluster_from_dict(spec)
+    with pytest.raises(cm.SpecError, match="eta"):
+        cm.Workload(eta=-1)
+    with pytest.raises(cm.SpecError, match="precision"):
+        cm.Workload(precision="int3")
+
+
+def test_shipped_clusters_match_the_paper():
+    c = cm.load_cluster(ROOT / "exp/clusters/h800_24.yaml")
+    assert (c.n_gpus, c.dollars_per_hour()) == (24, pytest.approx(126.72))
+    c = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    assert (c.n_gpus, c.dollars_per_hour()) == (32, pytest.approx(86.64))
+    assert c.link_gbps(0, 1) == 1.5 and c.link_gbps(1, 2) == 5.0 and c.link_gbps(0, 0) == 200
+    for n in (24, 40, 56):
+        assert cm.load_cluster(ROOT / f"exp/clusters/hetero_{n}.yaml").n_gpus == n
+    assert cm.load_cluster(ROOT / "exp/clusters/hetero_56.yaml").dollars_per_hour() <= 126.72
+    assert cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", nproc=6).n_gpus == 6
+
+
+def test_workload_quantiles_keep_the_mean():
+    wl = cm.Workload.from_quantiles(2000, {0.5: 1200, 0.9: 5000, 0.99: 20000})
+    assert wl.gen_mean == pytest.approx(2000)
+    assert wl.decode_context > wl.prompt_len + wl.gen_mean / 2  # a long tail holds KV longer than the mean
+    assert cm.Workload(gen_samples=[100.0]).decode_context == pytest.approx(512 + 50)
+
+
+def test_decode_roofline_regimes():
+    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    eff = cm.TypeEfficiency(mfu_train=0.4, mfu_infer=1.0, hbm_eff=1.0)
+    # batch 1, no context: pure weight scan -> bytes / bandwidth exactly
+    t = cm.decode_round_s(model, H800, eff, 1, 1, 1, 0.0, 2, 5.0)
+    assert t == pytest.approx((model.layers * model.layer_params + model.head_params) * 2 / 2e12)
+    # huge batch on a FLOP-poor GPU: compute-bound -> time linear in batch
+    t1 = cm.decode_round_s(model, H20, eff, 1, 1, 2048, 0.0, 2, 5.0)
+    t2 = cm.decode_round_s(model, H20, eff, 1, 1, 4096, 0.0, 2, 5.0)
+    assert t2 == pytest.approx(2 * t1)
+    # per-GPU weights shrink with TP, and H20's bandwidth makes its weight scan 2x faster than H800's
+    assert cm.decode_round_s(model, H800, eff, 2, 1, 1, 0.0, 2, 5.0) < t
+    assert cm.decode_round_s(model, H20, eff, 1, 1, 1, 0.0, 2, 5.0) == pytest.approx(t / 2)
+
+
+def test_replica_memory_limits_batch_and_feasibility():
+    wl = cm.Workload(gen_samples=[4000], max_batch=10 ** 6)
+    eff = cm.Efficiency()
+    m14 = cm.load_model("deepseek-r1-distill-qwen-14b")
+    small = cm.GPUType("S", 24, 100, 1.0, 1.0, 50)
+    assert cm.replica_cost(m14, small, 1, 1, wl, eff, 5.0) is None             # 29.5 GB of weights > 24 GB
+    assert cm.replica_cost(m14, small, 2, 1, wl, eff, 5.0) is not None         # halves fit
+    b80 = cm.replica_memory_batch(m14, H800, 1, 1, wl, 0.9)
+    b96 = cm.replica_memory_batch(m14, H20, 1, 1, wl, 0.9)
+    assert 0 < b80 < b96
+    assert cm.replica_memory_batch(m14, H800, 2, 1, wl, 0.9) > 2 * b80         # TP frees weight memory too
+
+
+def test_train_step_scales_with_efficiency_and_counts_the_bubble():
+    model = cm.load_model("qwen2.5-0.5b")
+    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=4, gen_samples=[1000], ppo_minibatches=1,
+                     microbatch_tokens=4096)
+    types = {"H800": H800}
+
+    def step(mfu: float, pp: int, dp: int = 1) -> float:
+        eff = cm.Efficiency(per_type={"H800": cm.TypeEfficiency(mfu_train=mfu)})
+        stages = [cm.StageSpec("H800", l, (0,), 200, 200, 200) for l in cm.split_layers(model.layers, pp)]
+        return cm.train_step_seconds(model, stages, dp, 1, types, wl, eff)
+
+    assert step(0.2, 1) / step(0.4, 1) == pytest.approx(2, rel=0.05)
+    assert step(0.4, 1, dp=2) < 0.6 * step(0.4, 1)
+    # 2 equal-ish stages: pipeline time ~ (m + 1) half-stage times, i.e. more than half the 1-stage time
+    m = -(-wl.tokens_per_step // wl.microbatch_tokens)
+    assert step(0.4, 2) > step(0.4, 1) / 2 * (m + 1) / m * 0.95
+
+
+def test_sync_time_is_linear_in_bytes_and_step_formula():
+    eff = cm.Efficiency(link_eff=0.25, sync_latency_s=2.0)
+    wl = cm.Workload()
+    m = cm.load_model("deepseek-r1-distill-qwen-1.5b")
+    s = cm.sync_seconds(m, wl, eff, 5.0)
+    assert s == pytest.approx(2.0 + m.params * 2 / (0.25 * 5e9))
+    assert cm.sync_seconds(m, wl, eff, 5.0, 0.5) - 2.0 == pytest.approx((s - 2.0) / 2)
+    assert cm.step_seconds(10, 7, 1, wl) == 11
+    assert cm.step_seconds(10, 7, 1, cm.Workload(eta=0)) == 18
+
+
+def test_cpu_profile_is_short_and_positive():
+    t0 = time.perf_counter()
+    prof = cm.profile_cpu(1.0)
+    assert time.perf_counter() - t0 < 2.0
+    assert prof["tflops"] > 0 and prof["hbm_tbps"] > 0
