@@ -1,0 +1,73 @@
+"""Simulator tests: eta behaviour, staleness, agreement with the planner, and the measured-profile hook."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "exp"))
+
+import cost_model as cm  # noqa: E402
+import schedule as sc  # noqa: E402
+import simulate as sim  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def plan() -> dict:
+    cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4)
+    model = cm.model_from_config({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}, "tiny")
+    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=4, prompt_len=32, gen_samples=[32, 100, 300, 900],
+                     eta=2, max_batch=8, microbatch_tokens=2048)
+    return sc.plan(cluster, model, wl, cm.Efficiency(sync_latency_s=0.05))
+
+
+def test_async_beats_sync_and_staleness_respects_eta(plan):
+    sync = sim.simulate(plan, steps=10, eta=0)
+    asyn = sim.simulate(plan, steps=10, eta=2)
+    assert sync["staleness"]["max"] == 0
+    assert asyn["staleness"]["mean"] > 0
+    assert asyn["tokens_per_s"] > 1.1 * sync["tokens_per_s"]
+    assert sync["trainer_idle_frac"] > asyn["trainer_idle_frac"]
+    for r in (sync, asyn):
+        assert 0 <= r["rollout_idle_frac"] <= 1 and 0 <= r["trainer_idle_frac"] <= 1
+
+
+def test_eta_sweep_grows_then_saturates(plan):
+    tput = [sim.simulate(plan, steps=10, eta=e)["tokens_per_s"] for e in (0, 1, 4, 8)]
+    assert tput[1] > tput[0]
+    assert tput[3] == pytest.approx(tput[2], rel=0.15)   # saturated: more staleness buys little
+
+
+def test_deterministic_for_a_seed(plan):
+    assert sim.simulate(plan, steps=6, seed=3) == sim.simulate(plan, steps=6, seed=3)
+
+
+def test_simulated_step_is_near_the_planner_prediction(plan):
+    res = sim.simulate(plan, steps=12, eta=2)
+    assert res["step_s"] == pytest.approx(plan["predicted"]["step_s"], rel=0.35)
+
+
+def test_predict_from_measured_profile(plan):
+    tokens = plan["inputs"]["workload"]
+    mean_tokens = tokens["prompt_len"] + sum(tokens["gen_samples"]) / len(tokens["gen_samples"])
+    batch_tokens = tokens["prompts_per_step"] * tokens["samples_per_prompt"] * mean_tokens
+    # trainer-bound run: step ~= one batch of tokens at the measured train speed + sync
+    slow_train = sim.predict_from_measured(plan, decode_s_per_token=1e-5, train_s_per_token=1e-3, sync_s=0.5)
+    assert slow_train["step_s"] == pytest.approx(batch_tokens * 1e-3 + 0.5, rel=0.1)
+    # rollout-bound run: doubling the measured decode time roughly doubles the step
+    a = sim.predict_from_measured(plan, decode_s_per_token=2e-3, train_s_per_token=1e-7, sync_s=0.0)
+    b = sim.predict_from_measured(plan, decode_s_per_token=4e-3, train_s_per_token=1e-7, sync_s=0.0)
+    assert b["step_s"] / a["step_s"] == pytest.approx(2.0, rel=0.1)
+    assert a["tokens_per_s"] > b["tokens_per_s"]
+
+
+def test_bad_inputs(plan):
+    with pytest.raises(ValueError, match="warmup"):
+        sim.simulate(plan, steps=2)
+    empty = {**plan, "rollout": {"replicas": [], "tokens_per_s": 0}}
+    with pytest.raises(ValueError, match="no rollout replicas"):
+        sim.simulate(empty, steps=5)
