@@ -14,7 +14,8 @@ to CUDA/NCCL threads in the parent).
 Plain numbers (`18`, `-3`, `1,450,000`, `\\$18.90`, `10\\%`, `.5`) never reach math-verify: they are compared exactly
 as rationals in-process. That fast path covers GSM8K and our synthetic arithmetic task and keeps throughput high.
 
-Public API: score, score_details, ScoreDetails, ScoreLimits, scaled, extract_answer, RewardPool, pass_at_k, avg_at_k.
+Public API: score, score_details, ScoreDetails, ScoreLimits, scaled, extract_answer, last_boxed, RewardPool,
+pass_at_k, avg_at_k, warm_up.
 """
 from __future__ import annotations
 
@@ -86,6 +87,12 @@ def _find_last_box(text: str, max_chars: int) -> str | None:
             if depth == 0:
                 return text[i + 1:j]
     return None  # unclosed (truncated generation) or longer than max_chars
+
+
+def last_boxed(text: str, max_chars: int = DEFAULT_LIMITS.max_answer_chars) -> str | None:
+    """Content of the last complete \\boxed{...} / \\fbox{...} in text (MATH solutions keep their gold there)."""
+    content = _find_last_box(text, max_chars)
+    return content.strip() if content is not None and content.strip() else None
 
 
 def _strip_math_delimiters(ans: str) -> str:
