@@ -155,7 +155,7 @@ class Attention(nn.Module):
         if self.kv_heads != self.heads:
             k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
             v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=self.scaling)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
         y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         # row-parallel: partial products summed over TP, then the (replicated) bias once
         out = tp.reduce(F.linear(y, self.o_proj.weight))
@@ -249,7 +249,8 @@ class DecoderStage(nn.Module):
             else self.lm_head.weight
 
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, hidden [B, T, H] elsewhere; mask: bool [B, 1, T, T]."""
+        """x: token ids [B, T] on the first stage, hidden [B, T, H] elsewhere; mask: bool [B, 1, T, T], or None
+        for plain causal attention (one sequence)."""
         h = self.model.embed_tokens(x, self.tp) if self.first else x
         cos, sin = self.rotary_emb(h, position_ids)
         for layer in self.model.layers.values():
@@ -276,8 +277,11 @@ def check_model_supports_tp(cfg, tp: int) -> None:
             raise ValueError(f"tp={tp} must divide {what}={n}")
 
 
-def packed_attention_mask(seq_lens: list[int], device) -> torch.Tensor:
-    """bool [1, 1, T, T]: causal within each packed sequence, nothing across sequences."""
+def packed_attention_mask(seq_lens: list[int], device) -> torch.Tensor | None:
+    """bool [1, 1, T, T]: causal within each packed sequence, nothing across sequences.
+    None for a single sequence: attention then takes SDPA's plain causal path (flash kernels on GPU)."""
+    if len(seq_lens) == 1:
+        return None
     seg = torch.repeat_interleave(torch.arange(len(seq_lens), device=device),
                                   torch.tensor(seq_lens, device=device))
     t = seg.numel()

@@ -1,0 +1,128 @@
+"""Trainer step time per layout against 1 process, on a ~30M-parameter Llama config (CPU, gloo, 1 thread per rank).
+
+    .venv/bin/python exp/bench_trainer.py [--layouts 1,1,1 2,1,1 1,2,1 1,1,2] [--steps 3]
+
+The driver launches one torchrun per layout (nproc = dp*tp*pp) running this same file as a worker; the worker times
+`steps` train_steps after one warm-up step and the train head prints one JSON line. Ratio to ideal =
+step time / (1-process step time / number of ranks): 1.0 is perfect scaling.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+
+def bench_model():
+    import torch
+    from transformers import AutoModelForCausalLM, LlamaConfig
+    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg).float()
+
+
+def bench_trajectories(n: int, prompt: int, response: int):
+    import torch
+    from types import SimpleNamespace
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for i in range(n):
+        r = response - int(torch.randint(0, response // 2, (1,), generator=g))   # uneven lengths, like RL rollouts
+        ids = torch.randint(0, 8192, (prompt + r,), generator=g).tolist()
+        out.append(SimpleNamespace(prompt_id=i, sample_idx=0, prompt_ids=ids[:prompt], response_ids=ids[prompt:],
+                                   behav_logprobs=(-9.0 + 0.1 * torch.randn(r, generator=g)).tolist(),
+                                   versions=[0] * r, reward=0.0, advantage=float(torch.randn((), generator=g))))
+    return out
+
+
+def worker(args) -> None:
+    import torch
+    import torch.distributed as dist
+    from parallel.groups import build_groups, make_train_plan
+    from parallel.trainer import Trainer, TrainerConfig
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    dp, tp, pp = (int(x) for x in args.layout.split(","))
+    model = bench_model()
+    n_layers = model.config.num_hidden_layers
+    stage_layers = [(s * n_layers // pp, (s + 1) * n_layers // pp) for s in range(pp)]
+    groups = build_groups(make_train_plan(dp, tp, pp, stage_layers))
+    trainer = Trainer(model, groups, TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
+                                                   min_microbatches=1), "cpu")
+    trajs = bench_trajectories(args.seqs, args.prompt, args.response)
+    metrics = trainer.train_step(trajs)     # warm-up
+    times, cpu = [], []
+    for _ in range(args.steps):
+        dist.barrier()
+        t0, c0 = time.perf_counter(), time.process_time()
+        metrics = trainer.train_step(trajs)
+        cpu.append(time.process_time() - c0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    # CPU seconds of the best step, summed over ranks: the work the layout costs, whatever the machine's load
+    best = times.index(min(times))
+    cpu_sum = torch.tensor([cpu[best]], dtype=torch.float64)
+    dist.all_reduce(cpu_sum)
+    if groups.is_train_head:
+        n_params = sum(p.numel() for p in model.parameters())
+        print("BENCH " + json.dumps({"layout": args.layout, "ranks": dp * tp * pp, "params": n_params,
+                                     "step_s": min(times), "step_s_all": times,
+                                     "cpu_s_all_ranks": cpu_sum.item(),
+                                     "tokens": metrics["trained_tokens"],
+                                     "microbatches": metrics["num_microbatches"]}), flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def driver(args) -> None:
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    rows = []
+    for layout in args.layouts:
+        n = 1
+        for x in layout.split(","):
+            n *= int(x)
+        cmd = [torchrun, "--standalone", f"--nproc_per_node={n}", os.path.abspath(__file__), "--worker",
+               "--layout", layout, "--steps", str(args.steps), "--seqs", str(args.seqs), "--prompt",
+               str(args.prompt), "--response", str(args.response), "--micro-batch-tokens",
+               str(args.micro_batch_tokens)]
+        out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+        line = [l for l in out.stdout.splitlines() if l.startswith("BENCH ")]
+        if not line:
+            raise RuntimeError(f"layout {layout} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+        rows.append(json.loads(line[0][6:]))
+        print(line[0], flush=True)
+    base = next(r["step_s"] for r in rows if r["ranks"] == 1)
+    print(f"\nparams {rows[0]['params'] / 1e6:.1f}M, {rows[0]['tokens']:.0f} trained tokens/step\n"
+          f"| layout (dp,tp,pp) | ranks | step s | ideal s | ratio to ideal | CPU s (all ranks) | CPU ratio |\n"
+          f"|---|---|---|---|---|---|---|")
+    base_cpu = next(r["cpu_s_all_ranks"] for r in rows if r["ranks"] == 1)
+    for r in rows:
+        ideal = base / r["ranks"]
+        print(f"| {r['layout']} | {r['ranks']} | {r['step_s']:.2f} | {ideal:.2f} | {r['step_s'] / ideal:.2f} "
+              f"| {r['cpu_s_all_ranks']:.2f} | {r['cpu_s_all_ranks'] / base_cpu:.2f} |")
+
+
+if __name__ == "__main__":
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--worker", action="store_true")
+    ap.add_argument("--layout", default="1,1,1")
+    ap.add_argument("--layouts", nargs="+", default=["1,1,1", "2,1,1", "1,2,1", "1,1,2"])
+    ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--seqs", type=int, default=8)
+    ap.add_argument("--prompt", type=int, default=32)
+    ap.add_argument("--response", type=int, default=96)
+    ap.add_argument("--micro-batch-tokens", type=int, default=128)
+    a = ap.parse_args()
+    worker(a) if a.worker else driver(a)
