@@ -1,0 +1,259 @@
+"""One typed config tree for hexrl, loaded from exp/configs/<name>.yaml and overridden by `key.sub=value`.
+
+    python train.py                                  # exp/configs/cpu_demo.yaml
+    torchrun ... train.py config=gsm8k_qwen1.5b train.lr=2e-5 max_staleness=8 plan=plan.json resume=auto
+
+Rules: every key must exist in the dataclasses below (an unknown key is an error naming the closest valid
+key); values are parsed as YAML scalars and type-checked against the field's annotation. A bare key that
+is the unique leaf name anywhere in the tree is accepted as a shorthand (`max_staleness=0`), and `plan=`,
+`resume=` are short for `plan.path=` and `checkpoint.resume=`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+CONFIG_DIR = Path(__file__).resolve().parent / "exp" / "configs"
+DEFAULT_CONFIG = "cpu_demo"
+
+
+class ConfigError(ValueError):
+    pass
+
+
+@dataclass
+class ModelConfig:
+    path: str = "exp/tiny-model"          # HF hub id or local dir (AutoModelForCausalLM / AutoTokenizer)
+    dtype: str = "auto"                   # auto: bfloat16 on GPU, float32 on CPU
+    attn_implementation: str = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    task: str = "arith"                   # arith (synthetic, built in) | gsm8k | math | deepscaler | path to jsonl/parquet
+    num_train: int = 20000                # arith only
+    num_test: int = 500                   # held-out problems used for greedy evaluation
+    seed: int = 0
+    question_field: str = "question"      # field mapping for local jsonl/parquet
+    answer_field: str = "answer"
+    on_bad_row: str = "skip"              # skip (counted warning) | fail
+    max_prompt_tokens: int = 512
+
+
+@dataclass
+class RolloutConfig:
+    samples_per_prompt: int = 8           # G, the GRPO group size
+    max_new_tokens: int = 32
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_batch_size: int = 64              # generator slots per rollout rank
+    max_seq_len: int = 128
+    interrupt_mode: str = "recompute"     # recompute (exact, AReaL) | keep (reuse stale KV cache)
+    max_queued_groups: int = 16           # groups granted to one rollout rank but not yet finished
+    reward_correct: float = 1.0
+    reward_wrong: float = 0.0
+
+
+@dataclass
+class TrainConfig:
+    prompts_per_step: int = 32            # B, in GRPO groups (each of samples_per_prompt trajectories)
+    total_steps: int = 60
+    max_train_seconds: float = 0.0        # stop once training has run this long (0 = no limit)
+    lr: float = 1e-4
+    weight_decay: float = 0.0
+    betas: list = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+    clip_eps: float = 0.2
+    behav_imp_weight_cap: float = 5.0     # 0 = no cap
+    recompute_prox_logprobs: bool = True  # decoupled PPO (AReaL); False = standard PPO (prox = behaviour)
+    ppo_minibatches: int = 1
+    micro_batch_tokens: int = 8192
+    advantage_eps: float = 1e-6
+    max_nonfinite_steps: int = 3          # skip a non-finite loss; stop after this many in a row
+    seed: int = 1
+
+
+@dataclass
+class StalenessConfig:
+    max_staleness: int = 4                # η: 0 = synchronous RL
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: str = "runs"
+    run_name: str = ""                    # default: <config>-<timestamp>
+    wandb: str = "offline"                # offline | online | disabled
+    wandb_project: str = "hexrl"
+    eval_every: int = 10                  # greedy held-out accuracy every K steps (and at start and end)
+    progress: bool = True
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = 0                        # steps between checkpoints (0 = only at the end when enabled)
+    resume: str = ""                      # "" | auto | <checkpoint dir>
+    keep: int = 2
+    at_end: bool = False
+
+
+@dataclass
+class PlanConfig:
+    path: str = ""                        # plan JSON from schedule.py; "" = default split
+    num_rollout: int = 0                  # default split: rollout ranks (0 = half the world)
+    timeout_s: float = 600.0              # process-group timeout for every collective
+    rollout_timeout_s: float = 120.0      # a rollout rank silent this long is declared dead
+    weight_bucket_mb: float = 64.0
+    verify_weights: bool = True           # per-version checksum checked on the rollout side
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    staleness: StalenessConfig = field(default_factory=StalenessConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    plan: PlanConfig = field(default_factory=PlanConfig)
+    config_name: str = DEFAULT_CONFIG
+
+
+ALIASES = {"plan": "plan.path", "resume": "checkpoint.resume"}
+
+
+def _leaves(cls, prefix: str = "") -> dict[str, type]:
+    """Dotted key -> annotated type, for every leaf field of the tree."""
+    out = {}
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out.update(_leaves(t, f"{prefix}{f.name}."))
+        else:
+            out[f"{prefix}{f.name}"] = t
+    return out
+
+
+LEAVES = _leaves(Config)
+
+
+def _resolve_key(key: str) -> str:
+    if key in LEAVES:
+        return key
+    if key in ALIASES:
+        return ALIASES[key]
+    by_leaf = [k for k in LEAVES if k.rsplit(".", 1)[-1] == key]
+    if len(by_leaf) == 1:
+        return by_leaf[0]
+    close = difflib.get_close_matches(key, list(LEAVES) + list(ALIASES), n=1, cutoff=0.0)
+    hint = f"; did you mean '{close[0]}'?" if close else ""
+    raise ConfigError(f"unknown config key '{key}'{hint}")
+
+
+def _coerce(key: str, value, typ):
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
+    expected = typing.get_origin(typ) or typ
+    if value is None or not isinstance(value, expected) or (expected is int and isinstance(value, bool)):
+        raise ConfigError(f"config key '{key}' expects {getattr(typ, '__name__', typ)}, got {value!r}")
+    return value
+
+
+def _set(cfg: Config, key: str, value) -> None:
+    key = _resolve_key(key)
+    *path, leaf = key.split(".")
+    node = cfg
+    for p in path:
+        node = getattr(node, p)
+    setattr(node, leaf, _coerce(key, value, LEAVES[key]))
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict):
+            out.update(_flatten(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def config_path(name: str) -> Path:
+    p = Path(name)
+    if p.suffix in (".yaml", ".yml") and p.exists():
+        return p
+    q = CONFIG_DIR / f"{name}.yaml"
+    if q.exists():
+        return q
+    names = sorted(x.stem for x in CONFIG_DIR.glob("*.yaml"))
+    raise ConfigError(f"config '{name}' not found (looked for {p} and {q}); available: {', '.join(names)}")
+
+
+def load_config(args: list[str]) -> Config:
+    """`args` are `key=value` strings; `config=<name|path>` picks the YAML (default cpu_demo)."""
+    overrides: list[tuple[str, str]] = []
+    name = DEFAULT_CONFIG
+    for a in args:
+        if "=" not in a:
+            raise ConfigError(f"argument '{a}' is not of the form key=value")
+        k, v = a.split("=", 1)
+        k = k.lstrip("-")
+        if k == "config":
+            name = v
+        else:
+            overrides.append((k, v))
+    cfg = Config()
+    path = config_path(name)
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: top level must be a mapping")
+    for k, v in _flatten(data).items():
+        _set(cfg, k, v)
+    cfg.config_name = path.stem
+    for k, v in overrides:
+        _set(cfg, k, yaml.safe_load(v) if v != "" else "")
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: Config) -> None:
+    checks = [
+        (cfg.staleness.max_staleness >= 0, "staleness.max_staleness must be >= 0"),
+        (cfg.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1"),
+        (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
+        (cfg.rollout.interrupt_mode in ("recompute", "keep"), "rollout.interrupt_mode must be recompute|keep"),
+        (cfg.data.on_bad_row in ("skip", "fail"), "data.on_bad_row must be skip|fail"),
+        (cfg.logging.wandb in ("offline", "online", "disabled"), "logging.wandb must be offline|online|disabled"),
+        (cfg.train.ppo_minibatches >= 1, "train.ppo_minibatches must be >= 1"),
+        (cfg.rollout.max_seq_len > cfg.rollout.max_new_tokens, "rollout.max_seq_len must exceed max_new_tokens"),
+        (len(cfg.train.betas) == 2, "train.betas must be a list of two floats"),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+# Keys that may differ between a checkpoint and the run resuming from it (everything else must match).
+RESUMABLE_KEYS = {"train.total_steps", "train.max_train_seconds", "logging.run_name", "logging.progress",
+                  "logging.wandb", "logging.eval_every", "checkpoint.resume", "checkpoint.every", "checkpoint.keep",
+                  "checkpoint.at_end", "plan.timeout_s", "plan.rollout_timeout_s", "plan.path", "plan.num_rollout",
+                  "plan.weight_bucket_mb", "plan.verify_weights"}
+
+
+def mismatched_keys(saved: dict, current: dict) -> list[str]:
+    a, b = _flatten(saved), _flatten(current)
+    return sorted(k for k in set(a) | set(b) if k not in RESUMABLE_KEYS and a.get(k) != b.get(k))

@@ -1,0 +1,155 @@
+"""Build the shipped tiny model: tokenizer + Llama-architecture HF model + supervised warm start.
+
+    python exp/make_tiny_model.py --out exp/tiny-model          # ~5 min on 2 CPU cores
+
+Reproducible (fixed seeds, fixed step count). Steps:
+1. train a byte-level BPE tokenizer with `tokenizers` on the task's text (digits split into single tokens);
+2. build a small LlamaConfig model (GQA, ~3M parameters);
+3. warm-start it by SFT on worked solutions of which `--mistake-rate` carry a typical mistake
+   (capable but unsharp: many samples right, the greedy answer often not);
+4. save an HF directory (fp16 safetensors + tokenizer files, < 10 MB) loadable by
+   AutoModelForCausalLM / AutoTokenizer, and print greedy held-out accuracy.
+`sft()` and `greedy_accuracy()` are reused by exp/sft_baseline.py.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import time
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from tasks import format_prompt, make_arith_dataset, problem_from_row, worked_solution  # noqa: E402
+
+EOS = "<|endoftext|>"
+
+
+def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    tok = Tokenizer(models.BPE())
+    # Digits become single tokens so numbers are spelled digit by digit (arithmetic generalises).
+    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(texts, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=None,
+                                   padding_side="left", model_max_length=256)
+
+
+def encode_example(tok, question: str, solution: str) -> tuple[list[int], int]:
+    prompt = tok(format_prompt(question))["input_ids"]
+    full = prompt + tok(solution)["input_ids"] + [tok.eos_token_id]
+    return full, len(prompt)
+
+
+def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds: float | None = None,
+        batch_size: int = 64, lr: float = 2e-3, mistake_rate: float = 0.5, seed: int = 0,
+        warmup: int = 30, log_every: int = 50) -> int:
+    """Supervised training on worked solutions (a fresh mistake draw per example per step).
+    Stops after `steps` optimizer steps or `seconds` of wall time. Returns the number of steps done."""
+    rng = random.Random(seed)
+    torch.manual_seed(seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    total = steps or 10**9
+    model.train()
+    start, step = time.time(), 0
+    while step < total and (seconds is None or time.time() - start < seconds):
+        batch = [train_rows[rng.randrange(len(train_rows))] for _ in range(batch_size)]
+        seqs = [encode_example(tok, r["question"], worked_solution(problem_from_row(r), rng, mistake_rate))
+                for r in batch]
+        width = max(len(s) for s, _ in seqs)
+        ids = torch.full((batch_size, width), tok.pad_token_id)
+        labels = torch.full((batch_size, width), -100)
+        for i, (s, plen) in enumerate(seqs):
+            ids[i, :len(s)] = torch.tensor(s)
+            labels[i, plen:len(s)] = torch.tensor(s[plen:])       # loss on the answer only
+        frac = step / max(1, total) if steps else (time.time() - start) / seconds
+        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        for g in opt.param_groups:
+            g["lr"] = lr * scale
+        loss = model(input_ids=ids, labels=labels).loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        step += 1
+        if step % log_every == 0:
+            print(f"sft step {step} loss {loss.item():.4f} ({time.time() - start:.0f}s)", flush=True)
+    model.eval()
+    return step
+
+
+@torch.no_grad()
+def greedy_accuracy(model, tok, rows: list[dict], batch_size: int = 128, max_new_tokens: int = 40) -> float:
+    """Held-out greedy accuracy with HF generate (independent of our generator, on purpose)."""
+    from reward_math import score
+    model.eval()
+    correct = 0
+    for i in range(0, len(rows), batch_size):
+        chunk = rows[i:i + batch_size]
+        enc = tok([format_prompt(r["question"]) for r in chunk], return_tensors="pt", padding=True)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        correct += sum(score(t, r["answer"]) for t, r in zip(texts, chunk))
+    return correct / len(rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="exp/tiny-model")
+    ap.add_argument("--steps", type=int, default=700)
+    ap.add_argument("--mistake-rate", type=float, default=0.5)
+    ap.add_argument("--vocab-size", type=int, default=512)
+    ap.add_argument("--hidden", type=int, default=256)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+
+    data = make_arith_dataset(num_train=20000, num_test=1000, seed=args.seed)
+    train_rows, test_rows = list(data["train"]), list(data["test"])
+    rng = random.Random(args.seed)
+    corpus = [format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5) for r in train_rows]
+    tok = train_tokenizer(corpus, args.vocab_size)
+
+    config = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
+                         max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+    model = LlamaForCausalLM(config)
+    n_params = sum(p.numel() for p in model.parameters())
+    print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}", flush=True)
+
+    t0 = time.time()
+    sft(model, tok, train_rows, steps=args.steps, mistake_rate=args.mistake_rate, seed=args.seed)
+    sft_seconds = time.time() - t0
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)   # fp16 on disk keeps it < 10 MB
+    tok.save_pretrained(out)
+    # Measure what users get: the saved checkpoint, loaded the standard way, in fp32.
+    loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
+    acc = greedy_accuracy(loaded, tok, test_rows[:500])
+    info = {"params": n_params, "sft_steps": args.steps, "sft_seconds": round(sft_seconds, 1),
+            "mistake_rate": args.mistake_rate, "greedy_acc_test500": acc, "seed": args.seed}
+    (out / "warm_start.json").write_text(json.dumps(info, indent=2) + "\n")
+    size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
+    print(json.dumps(info), f"size {size:.1f} MB", flush=True)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    main()

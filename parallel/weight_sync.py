@@ -1,0 +1,98 @@
+"""Trainer → rollout weight transfer: full HF-named state dict in flat buckets, stamped with the version.
+
+The train head announces a version on the control channel (bucket layout + one checksum per bucket),
+then sends each bucket as one flat tensor (gloo on CPU, NCCL on GPU: the bucket lives on the sender's
+device). The rollout side receives into buffers of the announced sizes, verifies the checksums when
+asked to, and rebuilds the state dict with HF names and shapes — bitwise what the trainer holds.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from parallel.channel import wait_work
+
+WEIGHT_TAG = 21
+DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
+
+
+def checksum(flat: torch.Tensor) -> int:
+    """Position-weighted integer sum of the raw bits: device-agnostic, exact, sensitive to swaps."""
+    words = flat.contiguous().view(torch.uint8)
+    words = torch.nn.functional.pad(words, (0, (-words.numel()) % 4)).view(torch.int32).to(torch.int64)
+    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+    return int(((words & 0xFFFFFFFF) * weights).sum().item())
+
+
+def make_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[dict, torch.Tensor]]:
+    """Group same-dtype tensors into flat buckets of about `bucket_bytes`; returns (meta, flat)."""
+    buckets, names, size, dtype = [], [], 0, None
+
+    def close():
+        if names:
+            flat = torch.cat([state_dict[n].reshape(-1) for n in names])
+            meta = {"names": list(names), "shapes": [list(state_dict[n].shape) for n in names],
+                    "dtype": str(flat.dtype), "numel": flat.numel()}
+            buckets.append((meta, flat))
+
+    for name, t in state_dict.items():
+        nbytes = t.numel() * t.element_size()
+        if names and (t.dtype != dtype or size + nbytes > bucket_bytes):
+            close()
+            names, size = [], 0
+        names.append(name)
+        size += nbytes
+        dtype = t.dtype
+    close()
+    return buckets
+
+
+class WeightSender:
+    """Lives on the train head. Keeps in-flight buckets alive until their sends have completed."""
+
+    def __init__(self, bucket_mb: float, verify: bool, timeout_s: float):
+        self.timeout_s = timeout_s
+        self.bucket_bytes = int(bucket_mb * 2**20)
+        self.verify = verify
+        self.in_flight: list[tuple] = []
+
+    def send(self, channel, dst_ranks: list[int], state_dict: dict[str, torch.Tensor], version: int,
+             device: torch.device) -> float:
+        t0 = time.perf_counter()
+        self.wait(self.timeout_s)
+        buckets = [(meta, flat.to(device)) for meta, flat in make_buckets(state_dict, self.bucket_bytes)]
+        metas = []
+        for meta, flat in buckets:
+            metas.append({**meta, "checksum": checksum(flat) if self.verify else None})
+        for dst in dst_ranks:
+            channel.send(dst, "weights", version=version, buckets=metas)
+            for _, flat in buckets:
+                self.in_flight.append((dst, dist.isend(flat, dst=dst, tag=WEIGHT_TAG), flat))
+        return time.perf_counter() - t0
+
+    def wait(self, timeout_s: float) -> None:
+        """The previous version's buckets must have left before their memory is reused."""
+        for (dst, work, _) in self.in_flight:
+            wait_work(work, timeout_s, [dst], "a rollout rank to receive weights")
+        self.in_flight = []
+
+
+def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> dict[str, torch.Tensor]:
+    """Receive the buckets announced by a `weights` message; returns the HF-named state dict."""
+    state_dict = {}
+    for meta in msg["buckets"]:
+        flat = torch.empty(meta["numel"], dtype=DTYPES[meta["dtype"]], device=device)
+        dist.recv(flat, src=src, tag=WEIGHT_TAG)      # sent right after the announcement; PG timeout applies
+        if verify and meta["checksum"] is not None and checksum(flat) != meta["checksum"]:
+            raise RuntimeError(f"weight checksum mismatch for version {msg['version']} "
+                               f"(bucket starting at {meta['names'][0]})")
+        offset = 0
+        for name, shape in zip(meta["names"], meta["shapes"]):
+            n = 1
+            for s in shape:
+                n *= s
+            state_dict[name] = flat[offset:offset + n].view(shape)
+            offset += n
+    return state_dict

@@ -1,0 +1,91 @@
+"""Run directory, metrics.jsonl, the trajectory ledger, W&B and the progress bar (train head only).
+
+runs/<run>/config.yaml     the resolved config          runs/<run>/plan.json     the rank map used
+runs/<run>/metrics.jsonl   one line per step (+ eval lines with `eval_accuracy`)
+runs/<run>/ledger.jsonl    one line per consumed trajectory: prompt_id, group_id, sample_idx,
+                           min/max token version, trainer version, step — audits exactly-once and staleness
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from pathlib import Path
+
+import yaml
+
+from config import Config, to_dict
+
+
+def run_directory(cfg: Config) -> Path:
+    name = cfg.logging.run_name or f"{cfg.config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path = Path(cfg.logging.run_dir) / name
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+class RunLog:
+    def __init__(self, cfg: Config, run_dir: Path, plan: dict, step_offset: int = 0, wandb_id: str | None = None):
+        self.cfg, self.dir = cfg, run_dir
+        resolved = yaml.safe_dump(to_dict(cfg), sort_keys=False)
+        print(f"hexrl run directory: {run_dir}\nresolved config:\n{resolved}", flush=True)
+        (run_dir / "config.yaml").write_text(resolved)
+        (run_dir / "plan.json").write_text(json.dumps(plan, indent=1))
+        self.metrics = open(run_dir / "metrics.jsonl", "a")
+        self.ledger_file = open(run_dir / "ledger.jsonl", "a")
+        self.t0 = time.monotonic()
+        self.last_eval: float | None = None
+        self.wandb = None
+        mode = os.environ.get("WANDB_MODE", cfg.logging.wandb)
+        if mode != "disabled":
+            import wandb
+            self.wandb_id = wandb_id or wandb.util.generate_id()
+            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=run_dir.name, dir=str(run_dir),
+                                    mode=mode, config=to_dict(cfg), id=self.wandb_id, resume="allow")
+        else:
+            self.wandb_id = wandb_id
+        self.bar = None
+        if cfg.logging.progress:
+            from tqdm import tqdm
+            self.bar = tqdm(total=cfg.train.total_steps, initial=step_offset, desc="hexrl", unit="step",
+                            dynamic_ncols=True)
+
+    def _write(self, record: dict) -> None:
+        record = {"time": round(time.monotonic() - self.t0, 3), **record}
+        self.metrics.write(json.dumps(record) + "\n")
+        self.metrics.flush()
+        if self.wandb is not None:
+            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+
+    def step(self, stats: dict) -> None:
+        self._write(stats)
+        if self.bar is not None:
+            self.bar.update(stats["step"] - self.bar.n)
+            post = {"reward": f"{stats['reward_mean']:.3f}", "acc": f"{stats['train_accuracy']:.2f}",
+                    "tok/s": f"{stats['trained_tokens_per_s']:.0f}"}
+            if self.last_eval is not None:
+                post["eval"] = f"{self.last_eval:.3f}"
+            self.bar.set_postfix(post)
+
+    def eval(self, version: int, accuracy: float, n: int) -> None:
+        self.last_eval = accuracy
+        self._write({"step": version, "eval_accuracy": accuracy, "eval_n": n})
+        msg = f"eval @ step {version}: greedy accuracy {accuracy:.3f} on {n} held-out problems"
+        (self.bar.write(msg) if self.bar is not None else print(msg, flush=True))
+
+    def ledger(self, trajectories: list, trainer_version: int, step: int) -> None:
+        for t in trajectories:
+            self.ledger_file.write(json.dumps({
+                "prompt_id": t.prompt_id, "group_id": t.group_id, "sample_idx": t.sample_idx,
+                "min_version": min(t.versions, default=trainer_version),
+                "max_version": max(t.versions, default=trainer_version),
+                "trainer_version": trainer_version, "step": step}) + "\n")
+        self.ledger_file.flush()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+        self.metrics.close()
+        self.ledger_file.close()
+        if self.wandb is not None:
+            self.wandb.finish()
