@@ -114,7 +114,8 @@ def extract_answer(response: str, limits: ScoreLimits = DEFAULT_LIMITS) -> str |
     hashes = response.rfind("####")
     if hashes >= 0:
         line = response[hashes + 4:hashes + 4 + limits.max_answer_chars + 1].split("\n", 1)[0]
-        ans = _strip_math_delimiters(line)
+        end = _SENTENCE_END.search(line)
+        ans = _strip_math_delimiters(line[:end.start()] if end else line)
         if ans:
             return ans
     tail = response[-_ANSWER_IS_WINDOW:]
@@ -189,6 +190,8 @@ def _numbers_equal(a: _Number, b: _Number) -> bool:
 # math-verify, in-process (no timeout: only ever call this inside a killable worker).
 
 def _brace_depth(s: str) -> int:
+    """Deepest {} nesting, or -1 if the braces do not balance (we wrap answers in \\boxed{...} for parsing,
+    so an unbalanced answer like `3}` could otherwise close the box early)."""
     depth = deepest = 0
     for c in s:
         if c == "{":
@@ -196,7 +199,9 @@ def _brace_depth(s: str) -> int:
             deepest = max(deepest, depth)
         elif c == "}":
             depth -= 1
-    return deepest
+            if depth < 0:
+                return -1
+    return deepest if depth == 0 else -1
 
 
 def _verify_unbounded(answer: str, gold: str) -> str:
@@ -419,8 +424,10 @@ def _prepare(response: str, gold: str, limits: ScoreLimits) -> ScoreDetails | tu
         return _details("correct" if _numbers_equal(answer_number, gold_number) else "wrong", answer)
     if len(gold) > limits.max_answer_chars:
         raise ValueError(f"gold answer is {len(gold)} chars, over max_answer_chars={limits.max_answer_chars}")
-    if _brace_depth(answer) > limits.max_brace_depth:
+    if not 0 <= _brace_depth(answer) <= limits.max_brace_depth:
         return _details("parse_error", answer)
+    if _brace_depth(gold) < 0:
+        raise ValueError(f"gold answer has unbalanced braces: {gold[:80]!r}")
     if answer == gold:  # identical strings are equivalent whatever they parse to
         return _details("correct", answer)
     cached = _cache.get((answer, gold))

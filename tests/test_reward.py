@@ -53,6 +53,7 @@ def test_gsm8k_test_split_reference_solutions():
     ("Hence the answer is $\\boxed 5$.", "5"),
     ("The answer is \\boxed{7}.", "7"),
     ("#### 1,234\n", "1,234"),
+    ("#### 18. That is all.", "18"),
     ("work... \\boxed{12 then the model ran out of tokens\n#### 11", "11"),
     ("The answer is 3.5.", "3.5"),
     ("The final answer is: $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
@@ -73,6 +74,7 @@ def test_synthetic_task_answers_and_partial_matches():
     assert score("\\boxed{12}", "1") == 0.0
     assert score("12 is it. \\boxed{4}", "12") == 0.0  # numbers elsewhere in the response do not count
     assert score_details("I think 12", "12") == ScoreDetails(0.0, None, "no_answer")
+    assert score_details("The answer is 12}", "12") == ScoreDetails(0.0, "12}", "parse_error")  # unbalanced
 
 
 # --- the fast path: exact, and agrees with math-verify --------------------------------------------------------
@@ -174,6 +176,8 @@ def test_bad_input_errors():
         score("\\boxed{1}", 1)
     with pytest.raises(ValueError, match="gold answer is empty"):
         score("\\boxed{1}", "  ")
+    with pytest.raises(ValueError, match="unbalanced braces"):
+        score("\\boxed{x}", "\\frac{1}{2")
 
 
 def test_scaled():
