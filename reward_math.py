@@ -8,8 +8,8 @@ The reward decides what the policy learns, so this file is careful about three f
                                             in a worker process that is killed when it exceeds its time bound.
 
 math-verify's own timeouts use SIGALRM, which only works on the main thread of the main interpreter, so we call it
-with its timeouts disabled and enforce the bound ourselves by killing the worker process (spawn context: safe next
-to CUDA/NCCL threads in the parent).
+with its timeouts disabled and enforce the bound ourselves by killing the worker process (a fresh interpreter via
+subprocess: it never forks a parent holding CUDA/NCCL state, nor re-imports the caller's __main__).
 
 Plain numbers (`18`, `-3`, `1,450,000`, `\\$18.90`, `10\\%`, `.5`) never reach math-verify: they are compared exactly
 as rationals in-process. That fast path covers GSM8K and our synthetic arithmetic task and keeps throughput high.
@@ -278,7 +278,7 @@ class _VerifierProcess:
 
     def poll_ready(self) -> bool:
         if not self.ready and self._readable(0):
-            msg = self._recv()
+            msg = self.recv()
             if msg != "ready":
                 raise RuntimeError(f"reward worker failed during startup (exit code {self.process.poll()}); "
                                    "check that math-verify imports in a fresh interpreter")
@@ -300,19 +300,13 @@ class _VerifierProcess:
     def has_result(self, wait_s: float = 0.0) -> bool:
         return self._readable(wait_s)
 
-    def _recv(self) -> str:
+    def recv(self) -> str:
         line = self.process.stdout.readline()  # one short line, written whole: never blocks once readable
         if not line:  # EOF: the worker died (crash, OOM kill); the job that killed it scores parse_error
             self.dead = True
             return "parse_error"
         line = line.strip()
         return line if line in REASONS or line == "ready" else "parse_error"
-
-    def recv(self) -> str:
-        return self._recv()
-
-    def is_alive(self) -> bool:
-        return self.process.poll() is None
 
     def kill(self) -> None:
         self.process.kill()
@@ -351,7 +345,12 @@ def _verify_with_timeout(answer: str, gold: str, timeout_s: float) -> str:
             _shared_verifier, _shared_pid = _VerifierProcess(), os.getpid()
         verifier = _shared_verifier
         verifier.wait_ready()
-        verifier.send(answer, gold)
+        try:
+            verifier.send(answer, gold)
+        except OSError:  # the idle worker died (killed from outside): start another and retry once
+            verifier = _shared_verifier = _VerifierProcess()
+            verifier.wait_ready()
+            verifier.send(answer, gold)
         if verifier.has_result(timeout_s):
             reason = verifier.recv()
             if verifier.dead:
@@ -478,7 +477,7 @@ class RewardPool:
             raise ValueError(f"RewardPool needs num_workers >= 1, got {num_workers}")
         self.limits, self.memory_budget_bytes = limits, memory_budget_bytes
         self._workers = [_VerifierProcess(memory_budget_bytes) for _ in range(num_workers)]
-        self._queue: deque[tuple[Hashable, str, str, float]] = deque()  # (key, answer, gold, submitted_at)
+        self._queue: deque[tuple[Hashable, str, str]] = deque()  # (key, answer, gold) awaiting a free worker
         self._done: list[tuple[Hashable, ScoreDetails, float]] = []
         self._in_flight = 0
         self.reward_s = 0.0
@@ -499,7 +498,7 @@ class RewardPool:
             self._finish(key, prepared, time.perf_counter() - t0)
             return
         answer, gold_answer = prepared
-        self._queue.append((key, answer, gold_answer, time.monotonic()))
+        self._queue.append((key, answer, gold_answer))
         self._in_flight += 1
         self._dispatch()
 
@@ -516,8 +515,8 @@ class RewardPool:
         results = self.poll()
         while self._in_flight and (deadline is None or time.monotonic() < deadline):
             busy = [w for w in self._workers if w.job is not None]
-            if busy:  # sleep until some worker answers, at most a few ms past the nearest deadline
-                _wait_any([w.process.stdout for w in busy], 0.01)
+            if busy:  # sleep until some worker answers, at most 10 ms past the nearest deadline
+                select.select([w.process.stdout for w in busy], [], [], 0.01)
             else:
                 time.sleep(0.005)
             results += self.poll()
@@ -549,18 +548,21 @@ class RewardPool:
                 self._finish(key, _details("timeout", answer), now - started)
 
     def _dispatch(self) -> None:
-        for worker in self._workers:
-            if not self._queue:
-                return
-            if worker.job is None and worker.poll_ready():
-                key, answer, gold_answer, _ = self._queue.popleft()
+        for i in range(len(self._workers)):
+            while self._queue and self._workers[i].job is None and self._workers[i].poll_ready():
+                key, answer, gold_answer = self._queue.popleft()
                 cached = _cache.get((answer, gold_answer))  # an identical job may have finished meanwhile
                 if cached is not None:
                     self._in_flight -= 1
                     self._finish(key, _details(cached, answer), 0.0)
                     continue
-                worker.send(answer, gold_answer)
-                worker.job = (key, answer, gold_answer, time.monotonic())
+                try:
+                    self._workers[i].send(answer, gold_answer)
+                except OSError:  # the idle worker died (killed from outside): requeue, replace it
+                    self._queue.appendleft((key, answer, gold_answer))
+                    self._workers[i] = _VerifierProcess(self.memory_budget_bytes)
+                    break
+                self._workers[i].job = (key, answer, gold_answer, time.monotonic())
 
     def close(self) -> None:
         if not self._closed:
@@ -579,10 +581,6 @@ class RewardPool:
             self.close()
         except Exception:
             pass
-
-
-def _wait_any(pipes: list, timeout_s: float) -> None:
-    select.select(pipes, [], [], timeout_s)
 
 
 # ----------------------------------------------------------------------------------------------------------------

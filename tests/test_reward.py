@@ -221,6 +221,22 @@ def test_reward_pool_matches_score_details_and_kills_timeouts():
         RewardPool(num_workers=0)
 
 
+def test_dead_workers_are_replaced():
+    rm.warm_up()
+    os.kill(rm._shared_verifier.process.pid, 9)  # the idle shared worker dies from outside
+    rm._shared_verifier.process.wait()
+    assert score("\\boxed{\\frac{3}{9}}", "\\frac{1}{3}", PATIENT) == 1.0
+    with RewardPool(num_workers=1, limits=ScoreLimits(timeout_s=60.0)) as pool:
+        pool.submit("tower", POWER_TOWER, "5")  # busy for minutes: we kill it mid-job
+        while pool._workers[0].job is None:
+            pool.poll()
+            time.sleep(0.05)
+        os.kill(pool._workers[0].process.pid, 9)
+        pool.submit("next", "\\boxed{\\frac{4}{12}}", "\\frac{1}{3}")
+        got = {key: details.reason for key, details, _ in pool.drain(timeout_s=120)}
+    assert got == {"tower": "parse_error", "next": "correct"}
+
+
 # --- evaluation metrics ---------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("n, c, k", [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
