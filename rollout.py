@@ -157,7 +157,8 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
             probs = probs * (rank.unsqueeze(0) < top_k.unsqueeze(1))
             cum = probs.cumsum(dim=-1)
             mass_before = cum - probs        # keep a token while the mass ranked above it < top_p
-            probs = probs * (mass_before < top_p.unsqueeze(1) * cum[:, -1:])
+            in_nucleus = (mass_before < top_p.unsqueeze(1) * cum[:, -1:]) | (top_p >= 1.0).unsqueeze(1)
+            probs = probs * in_nucleus       # (top_p = 1 keeps even the tail that fp32 cumsum rounds away)
         else:
             probs = logp.exp()
         cdf = probs.cumsum(dim=-1)
