@@ -14,6 +14,8 @@ sequence and attention uses a block-diagonal causal mask, so it is exactly a per
 """
 from __future__ import annotations
 
+import copy
+
 import torch
 import torch.distributed as dist
 import torch.nn as nn
@@ -220,7 +222,8 @@ class DecoderStage(nn.Module):
 
         self.model = _Body()
         # the rotary module is reused as-is (no parameters): it knows the model's RoPE scaling variant
-        self.rotary_emb = hf_model.model.rotary_emb
+        # (a copy, so moving this stage to a device leaves the caller's HF module where it was)
+        self.rotary_emb = copy.deepcopy(hf_model.model.rotary_emb)
         if first:
             self.model.embed_tokens = VocabEmbedding(take("model.embed_tokens.weight"), self.vocab_start)
         heads, kv_heads = cfg.num_attention_heads // tp, cfg.num_key_value_heads // tp
