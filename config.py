@@ -159,6 +159,11 @@ def _resolve_key(key: str) -> str:
 
 
 def _coerce(key: str, value, typ):
+    if typ is float and isinstance(value, str):       # YAML 1.1 reads 3e-5 (no dot) as a string
+        try:
+            return float(value)
+        except ValueError:
+            pass
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is str and isinstance(value, (int, float)) and not isinstance(value, bool):

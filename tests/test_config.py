@@ -1,0 +1,45 @@
+import pytest
+
+from config import ConfigError, load_config, mismatched_keys, to_dict
+
+
+def test_default_is_cpu_demo_and_overrides_apply():
+    cfg = load_config([])
+    assert cfg.config_name == "cpu_demo" and cfg.model.path == "exp/tiny-model"
+    cfg = load_config(["train.lr=3e-5", "max_staleness=0", "plan=p.json", "resume=auto", "rollout.top_k=5"])
+    assert cfg.train.lr == 3e-5 and cfg.staleness.max_staleness == 0
+    assert cfg.plan.path == "p.json" and cfg.checkpoint.resume == "auto" and cfg.rollout.top_k == 5
+
+
+@pytest.mark.parametrize("arg,needle", [
+    ("train.lrr=1", "did you mean 'train.lr'"),
+    ("max_stalenes=1", "did you mean 'staleness.max_staleness'"),
+    ("rollout.temprature=1", "did you mean 'rollout.temperature'"),
+])
+def test_unknown_key_names_the_closest(arg, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config([arg])
+
+
+@pytest.mark.parametrize("arg,needle", [
+    ("train.total_steps=abc", "train.total_steps' expects int"),
+    ("train.recompute_prox_logprobs=7", "expects bool"),
+    ("staleness.max_staleness=-1", "max_staleness must be >= 0"),
+    ("lr", "not of the form key=value"),
+    ("config=nope", "config 'nope' not found"),
+])
+def test_bad_values_are_one_clear_error(arg, needle):
+    with pytest.raises(ConfigError, match=needle):
+        load_config([arg])
+
+
+def test_every_shipped_config_loads():
+    from config import CONFIG_DIR
+    for path in CONFIG_DIR.glob("*.yaml"):
+        load_config([f"config={path.stem}"])
+
+
+def test_mismatched_keys_ignores_resumable_ones():
+    a = to_dict(load_config([]))
+    b = to_dict(load_config(["train.total_steps=7", "train.lr=1e-3"]))
+    assert mismatched_keys(a, b) == ["train.lr"]
