@@ -53,12 +53,14 @@ def encode_example(tok, question: str, solution: str) -> tuple[list[int], int]:
 
 def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds: float | None = None,
         batch_size: int = 64, lr: float = 2e-3, mistake_rate: float = 0.5, seed: int = 0,
-        warmup: int = 30, log_every: int = 50) -> int:
+        warmup: int = 30, log_every: int = 50, opt: torch.optim.Optimizer | None = None,
+        constant_lr: bool = False) -> int:
     """Supervised training on worked solutions (a fresh mistake draw per example per step).
-    Stops after `steps` optimizer steps or `seconds` of wall time. Returns the number of steps done."""
+    Stops after `steps` optimizer steps or `seconds` of wall time. Returns the number of steps done.
+    Warm-up then cosine decay to 10% of `lr`, or a constant `lr` (the baseline continues at the end LR)."""
     rng = random.Random(seed)
     torch.manual_seed(seed)
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
+    opt = opt or torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.01)
     total = steps or 10**9
     model.train()
     start, step = time.time(), 0
@@ -73,7 +75,8 @@ def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds
             ids[i, :len(s)] = torch.tensor(s)
             labels[i, plen:len(s)] = torch.tensor(s[plen:])       # loss on the answer only
         frac = step / max(1, total) if steps else (time.time() - start) / seconds
-        scale = min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        scale = 1.0 if constant_lr else \
+            min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
         for g in opt.param_groups:
             g["lr"] = lr * scale
         loss = model(input_ids=ids, labels=labels).loss
