@@ -421,15 +421,16 @@ def replica_cost(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload,
 
 def rollout_seconds(model: ModelSpec, wl: Workload, tokens_per_s: float, prefill_tflops: float,
                     tail_tokens_per_s: float) -> float:
-    """C_ROLLOUT per step: decode B*E[g] tokens at the aggregate rate Sigma y*h, plus prefill
-    (2 * params * prompt FLOPs per sequence on the replicas' compute). The window of delta = eta + 1
-    steps bounds how much of the longest sequence's decode time can't be hidden: max(g) / rate_of_one_seq
-    spread over delta steps (eta = 0 is synchronous: the tail counts fully)."""
+    """C_ROLLOUT per step: decode B*E[g] tokens at the aggregate rate Sigma y*h (Eq. 2 with continuous x_psi),
+    plus prefill (2 * params * prompt FLOPs per sequence on the replicas' compute). With eta >= 1 admission
+    keeps every replica full while long sequences finish, so the output-length tail is hidden (it shows up as
+    staleness in the simulator); with eta = 0 (synchronous) the step waits for its longest sequence:
+    max(g) decode rounds of the fastest replica."""
     if tokens_per_s <= 0:
         return math.inf
     decode = wl.batch * wl.gen_mean / tokens_per_s
     prefill = wl.batch * wl.prompt_len * 2 * model.params / (prefill_tflops * 1e12)
-    tail = wl.gen_max / tail_tokens_per_s / (wl.eta + 1)
+    tail = wl.gen_max / tail_tokens_per_s if wl.eta == 0 else 0.0
     return max(decode, tail) + prefill
 
 

@@ -137,7 +137,7 @@ class Planner:
             pp = total // group
             if pp > self.model.layers:
                 continue
-            for tp in (t for t in range(1, group + 1) if group % t == 0 and self.model.heads % t == 0):
+            for tp in (t for t in range(1, group + 1) if group % t == 0 and self.tp_ok(t)):
                 dp = group // tp
                 if self.forced_layout and (dp, tp, pp) != self.forced_layout:
                     continue
@@ -146,6 +146,11 @@ class Planner:
                     if plan and (best is None or plan.seconds < best.seconds):
                         best = plan
         return best
+
+    def tp_ok(self, tp: int) -> bool:
+        """TP must split the attention heads evenly and either split or replicate the KV heads evenly."""
+        kv = self.model.kv_heads
+        return self.model.heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
     def _layout(self, per_type: dict[str, list[int]], order: tuple[str, ...], dp: int, tp: int, pp: int) -> TrainPlan | None:
         ids = [i for t in order for i in per_type[t]]
@@ -230,7 +235,7 @@ class Planner:
             inter = self.cluster.inter_gbps.get((gpu_type, gpu_type), gpu.intra_gbps)
             out = []
             for tp in powers_of_two(max_tp):
-                if self.model.heads % tp:
+                if not self.tp_ok(tp):
                     continue
                 for pp in range(1, min(8, self.model.layers) + 1):
                     if tp * pp > n_type:
@@ -813,25 +818,43 @@ def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficie
     def loss(key: str) -> float:
         return sum(math.log(a / b) ** 2 if math.isfinite(a) else 1e9 for a, b in predict(key))
 
-    def fit(key: str, fields: list[str]) -> None:
-        for _ in range(3):                                   # coordinate descent, golden section in log space
+    def fit(key: str, fields: list[str], rounds: int) -> None:
+        for _ in range(rounds):                              # coordinate descent, golden section in log space
             for f in fields:
                 def at(x: float) -> float:
                     for t in types:
                         setattr(eff.per_type[t], f, math.exp(x))
                     return loss(key)
-                lo, hi = math.log(0.01), math.log(1.0)
-                for _ in range(30):
-                    m1, m2 = lo + (hi - lo) * 0.382, lo + (hi - lo) * 0.618
-                    lo, hi = (lo, m2) if at(m1) <= at(m2) else (m1, hi)
+                lo, hi, phi = math.log(0.01), math.log(1.0), (math.sqrt(5) - 1) / 2
+                m1, m2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
+                f1, f2 = at(m1), at(m2)
+                for _ in range(24):
+                    if f1 <= f2:
+                        hi, m2, f2 = m2, m1, f1
+                        m1 = hi - phi * (hi - lo)
+                        f1 = at(m1)
+                    else:
+                        lo, m1, f1 = m1, m2, f2
+                        m2 = lo + phi * (hi - lo)
+                        f2 = at(m2)
                 at((lo + hi) / 2)
 
-    fit("train_s", ["mfu_train"])
-    fit("rollout_s", ["hbm_eff", "mfu_infer"])
-    sync = [(p.model.params * p.wl.bytes / 1e9, p.evaluate(c).sync_s, m["sync_s"]) for p, c, m in points if "sync_s" in m]
+    fit("train_s", ["mfu_train"], 1)
+    fit("rollout_s", ["hbm_eff"], 1)
+    # mfu_infer is only fitted if the data can see it: decode that is memory-bound everywhere leaves it at its prior
+    prior, base_loss = eff.per_type[types[0]].mfu_infer, loss("rollout_s")
+    for t in types:
+        eff.per_type[t].mfu_infer = prior / 2
+    sensitive = abs(loss("rollout_s") - base_loss) > 0.01 * max(base_loss, 1e-3)
+    for t in types:
+        eff.per_type[t].mfu_infer = prior
+    if sensitive:
+        fit("rollout_s", ["mfu_infer", "hbm_eff"], 2)
+    sync = [(p, Planner(p.cluster, p.model, p.wl, eff, p.max_seconds).evaluate(c).sync_s, m["sync_s"])
+            for p, c, m in points if "sync_s" in m]
     if sync:
         # predicted sync = latency + GB / (link_eff * bw): recover bw per point, then least squares on (latency, 1/eff)
-        xs = [gb / ((s - eff.sync_latency_s) * eff.link_eff) for gb, s, _ in sync]   # = GB / bw
+        xs = [(s - eff.sync_latency_s) * eff.link_eff for _, s, _ in sync]   # = bytes / link bandwidth
         ys = [meas for _, _, meas in sync]
         if len(sync) >= 2 and max(xs) > min(xs):
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
