@@ -413,10 +413,16 @@ class Planner:
         m_total = sum(d["gpus"] * d["m"] for _, d in g.nodes(data=True))
         beta_total = sum(d["gpus"] * (d["gpus"] - 1) / 2 * d["beta_intra"] for _, d in g.nodes(data=True)) + \
             sum(g.nodes[a]["gpus"] * g.nodes[b]["gpus"] * e["beta"] for a, b, e in g.edges(data=True))
-        steps = {t: max(1, math.ceil((n + 1) / 96)) for t, n in n_type.items()}   # coarser grid on huge clusters
+        # per-GPU grid; whole machines on huge clusters. A split needs some DP*TP group size dividing every
+        # type's trainer count with at most `layers` stages, i.e. total / gcd <= layers.
+        steps = {t: 1 if n <= 96 else max(m.gpus for m in self.cluster.machines if m.gpu_type == t)
+                 for t, n in n_type.items()}
         grids = [sorted(set(range(0, n_type[t] + 1, steps[t])) | {n_type[t]}) for t in self.types]
         out = []
         for combo in itertools.product(*grids):
+            nonzero = [x for x in combo if x]
+            if nonzero and sum(nonzero) // math.gcd(*nonzero) > self.model.layers:
+                continue
             per_type = dict(zip(self.types, combo))
             k = self.arrange(per_type)
             share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total

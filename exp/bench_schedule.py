@@ -1,0 +1,56 @@
+"""Planner solve time vs cluster size (acceptance: <= 1 s at 24 GPUs, <= 6 s at 56, <= 60 s at 512).
+
+    python exp/bench_schedule.py            # prints one line per cluster; paper Table 5: 14.9 s, 23.1 s, 46.7 s, 2.0 min
+
+Clusters: the shipped 24/32/40/56-GPU H800+H20 mixes and a 512-GPU one (16 H800 + 48 H20 machines of 8),
+model 7B, the reproduction workload. Time = the full two-phase solve (Algorithm 1 + refinement), imports excluded.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "exp"))
+
+import cost_model as cm  # noqa: E402
+import schedule as sc  # noqa: E402
+from reproduce_paper import workload  # noqa: E402
+
+LIMITS = {24: 1.0, 56: 6.0, 512: 60.0}
+PAPER = {24: "14.9 s", 32: "23.1 s", 40: "46.7 s", 56: "2.0 min"}
+
+
+def big_cluster(h800_machines: int, h20_machines: int) -> cm.Cluster:
+    base = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    machines = [cm.Machine(i, "H800", 8) for i in range(h800_machines)]
+    machines += [cm.Machine(h800_machines + i, "H20", 8) for i in range(h20_machines)]
+    return cm.Cluster(f"hetero_{8 * len(machines)}", base.gpu_types, machines, base.inter_gbps)
+
+
+def main() -> None:
+    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    wl = workload()
+    clusters = [cm.load_cluster(ROOT / f"exp/clusters/hetero_{n}.yaml") for n in (24, 32, 40, 56)]
+    clusters.append(big_cluster(16, 48))
+    print(f"{'GPUs':>5} {'solve s':>8} {'limit':>6} {'paper':>8} {'iters':>6} {'evals':>6} {'MILPs':>6} {'tokens/s':>9}  plan")
+    for c in clusters:
+        p = sc.Planner(c, model, wl)
+        t0 = time.perf_counter()
+        ev = p.solve()
+        secs = time.perf_counter() - t0
+        n = c.n_gpus
+        roles = {}
+        for m, k in zip(c.machines, ev.train_counts):
+            roles[m.gpu_type] = roles.get(m.gpu_type, 0) + k
+        limit = f"{LIMITS[n]:.0f} s" if n in LIMITS else ""
+        ok = "" if n not in LIMITS else (" ok" if secs <= LIMITS[n] else " SLOW")
+        print(f"{n:>5} {secs:>8.2f} {limit:>6} {PAPER.get(n, ''):>8} {p.stats.iterations:>6} {p.stats.evaluations:>6} "
+              f"{p.stats.milp_solves:>6} {ev.tokens_per_s:>9.0f}  train {roles}, dp{ev.train.dp} tp{ev.train.tp} "
+              f"pp{ev.train.pp}{ok}")
+
+
+if __name__ == "__main__":
+    main()
