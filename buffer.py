@@ -148,5 +148,7 @@ def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:
     r = torch.tensor(rewards, dtype=torch.float64)
     if len(rewards) < 2:
         return [0.0] * len(rewards)
-    adv = (r - r.mean()) / (r.std(unbiased=False) + eps)
-    return adv.tolist()
+    std = r.std(unbiased=False)
+    if std == 0:                       # all equal: no signal (and no 0/0 when eps = 0)
+        return [0.0] * len(rewards)
+    return ((r - r.mean()) / (std + eps)).tolist()

@@ -6,7 +6,9 @@ Messages from the head (parallel/channel.py), handled between decode steps:
                                                       sequences in flight continue under the new version)
   eval     {version, prompt_ids}                   -> greedy accuracy on held-out prompts, answered at once
   stop     {}                                      -> answer `bye` and return
-To the head: `result` (one finished group, with this rank's counters) and `eval_result`.
+  abort    {reason}                                -> the run is over (the head has printed why): raise Aborted
+To the head: `result` (one finished group, with this rank's counters), `eval_result`, and `alive` (counters)
+whenever nothing else was sent for a while, so the head can tell a slow rank from a stuck one.
 """
 from __future__ import annotations
 
@@ -15,7 +17,7 @@ import time
 import torch
 
 from buffer import Trajectory
-from parallel.channel import Channel, PeerTimeout
+from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.weight_sync import receive_weights
 from reward_math import score
 from rollout import Generator, SamplingParams
@@ -40,6 +42,12 @@ class RolloutWorker:
         self.t_start = time.monotonic()
         self.idle_s = self.reward_s = 0.0
         self.generated_tokens = 0
+        self.heartbeat_s = min(5.0, cfg.plan.rollout_timeout_s / 4)
+        self.last_sent = time.monotonic()
+
+    def send(self, kind: str, **payload) -> None:
+        self.channel.send(self.head, kind, **payload)
+        self.last_sent = time.monotonic()
 
     def prompt_ids(self, split: str, prompt_id: int) -> list[int]:
         key = (split, prompt_id)
@@ -83,7 +91,7 @@ class RolloutWorker:
         outs = self.eval_gen.generate([self.prompt_ids("test", i) for i in ids], greedy)
         correct = [int(score(self.tok.decode(o.token_ids, skip_special_tokens=True),
                              self.rows["test"][i]["answer"]) > 0) for i, o in zip(ids, outs)]
-        self.channel.send(self.head, "eval_result", version=self.gen.version, tag=msg.get("tag", ""),
+        self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""),
                           prompt_ids=ids, correct=correct)
 
     # -- finished sequences --------------------------------------------------------------------------
@@ -104,7 +112,7 @@ class RolloutWorker:
         if len(group["outs"]) == r.samples_per_prompt:
             del self.open_groups[group_id]
             trajs = [group["outs"][s].to_dict() for s in range(r.samples_per_prompt)]
-            self.channel.send(self.head, "result", group_id=group_id, trajectories=trajs,
+            self.send("result", group_id=group_id, trajectories=trajs,
                               counters=self.counters())
 
     def counters(self) -> dict:
@@ -124,9 +132,13 @@ class RolloutWorker:
                     raise PeerTimeout([self.head], self.cfg.plan.timeout_s, "work from the train head")
             for _, msg in msgs:
                 if msg["kind"] == "stop":
-                    self.channel.send(self.head, "bye", counters=self.counters())
+                    self.send("bye", counters=self.counters())
                     return
+                if msg["kind"] == "abort":
+                    raise Aborted(msg["reason"])
                 handlers[msg["kind"]](msg)
             if self.gen.num_unfinished():
                 for out in self.gen.step():
                     self.on_finished(out)
+            if time.monotonic() - self.last_sent > self.heartbeat_s:
+                self.send("alive", counters=self.counters())

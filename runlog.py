@@ -3,11 +3,15 @@
 runs/<run>/config.yaml     the resolved config          runs/<run>/plan.json     the rank map used
 runs/<run>/metrics.jsonl   one line per step (+ eval lines with `eval_accuracy`)
 runs/<run>/ledger.jsonl    one line per consumed trajectory: prompt_id, group_id, sample_idx,
-                           min/max token version, trainer version, step — audits exactly-once and staleness
+                           min/max token version, trainer version, step, updated (false: a skipped
+                           non-finite step) — audits exactly-once and staleness
+Both files are append-only; `sizes()` is what a checkpoint records, so a resume can cut them back to it.
+Non-finite floats are written as null (strict JSON).
 """
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from pathlib import Path
@@ -15,6 +19,12 @@ from pathlib import Path
 import yaml
 
 from config import Config, to_dict
+
+LOGS = ("metrics.jsonl", "ledger.jsonl")
+
+
+def _finite_or_null(v):
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def run_directory(cfg: Config) -> Path:
@@ -51,11 +61,11 @@ class RunLog:
                             dynamic_ncols=True)
 
     def _write(self, record: dict) -> None:
-        record = {"time": round(time.monotonic() - self.t0, 3), **record}
+        record = {"time": round(time.monotonic() - self.t0, 3), **{k: _finite_or_null(v) for k, v in record.items()}}
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
+            self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
 
     def step(self, stats: dict) -> None:
         self._write(stats)
@@ -73,14 +83,24 @@ class RunLog:
         msg = f"eval @ step {version}: greedy accuracy {accuracy:.3f} on {n} held-out problems"
         (self.bar.write(msg) if self.bar is not None else print(msg, flush=True))
 
-    def ledger(self, trajectories: list, trainer_version: int, step: int) -> None:
+    def event(self, step: int, event: str, **info) -> None:
+        """Faults the run survived (a rollout rank lost, ...): a metrics line with an `event` field."""
+        self.metrics.write(json.dumps({"time": round(time.monotonic() - self.t0, 3), "step": step, "event": event,
+                                       **info}) + "\n")
+        self.metrics.flush()
+
+    def ledger(self, trajectories: list, trainer_version: int, step: int, updated: bool = True) -> None:
         for t in trajectories:
             self.ledger_file.write(json.dumps({
                 "prompt_id": t.prompt_id, "group_id": t.group_id, "sample_idx": t.sample_idx,
                 "min_version": min(t.versions, default=trainer_version),
                 "max_version": max(t.versions, default=trainer_version),
-                "trainer_version": trainer_version, "step": step}) + "\n")
+                "trainer_version": trainer_version, "step": step, "updated": updated}) + "\n")
         self.ledger_file.flush()
+
+    def sizes(self) -> dict[str, int]:
+        """Bytes in metrics.jsonl and ledger.jsonl now (everything is flushed after each write)."""
+        return {"metrics.jsonl": self.metrics.tell(), "ledger.jsonl": self.ledger_file.tell()}
 
     def close(self) -> None:
         if self.bar is not None:

@@ -12,12 +12,21 @@ The story of a run:
    the staleness bound (buffer.py), collects finished groups, forms batches oldest-first, trains,
    and sends each new weight version to the rollout ranks, which apply it between decode steps;
 4. metrics go to runs/<run>/metrics.jsonl (+ W&B), every consumed trajectory to ledger.jsonl;
+   every `checkpoint.every` steps the train ranks write a checkpoint (checkpoint.py); `resume=auto` continues
+   from the latest complete one, truncating the logs back to it so every step is logged and trained once;
 5. every rank ends with barrier → destroy_process_group → flush → os._exit(0).
+
+Faults: every wait has a deadline. A rollout rank silent for plan.rollout_timeout_s while it owes work is
+dropped (its groups re-queued, the run continues with the others, and the head exits 3 at the end naming it, so
+the launcher reclaims the stuck process); a non-finite step is skipped (stop after train.max_nonfinite_steps in
+a row); bad input ends the run with one line `[rank R] error: ...` and exit code 2, and the head tells the other
+ranks to stop (`abort`) so none waits forever.
 """
 from __future__ import annotations
 
 import datetime
 import json
+import math
 import os
 import sys
 import time
@@ -27,16 +36,26 @@ import torch
 import torch.distributed as dist
 
 from buffer import StalenessBuffer, Trajectory, group_advantages
+from checkpoint import (CheckpointError, CheckpointWriter, find_resume, load_head_state, load_train_shard,
+                        run_dir_of, save_train_shard, truncate_logs)
 from config import Config, ConfigError, load_config, to_dict
-from parallel.channel import Channel, PeerTimeout
+from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.rankmap import RankMapError, check_plan, default_plan, load_plan
-from parallel.weight_sync import WeightSender
-from runlog import RunLog, run_directory
+from parallel.weight_sync import WeightSender, WeightSyncError
+from runlog import LOGS, RunLog, run_directory
 from tasks import load_task
 
 
 class SetupError(RuntimeError):
     pass
+
+
+class NonFiniteError(RuntimeError):
+    pass
+
+
+class RolloutRanksLost(RuntimeError):
+    """The run finished without some rollout ranks; exit 3 so the launcher reclaims the stuck processes."""
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -115,24 +134,34 @@ def broadcast_json(obj, src: int, group) -> dict:
 
 # ---------------------------------------------------------------------------------------------- train head
 class TrainHead:
-    """Controller + train rank 0: admission, batching, training, weight sync, evaluation, logging."""
+    """Controller + train rank 0: admission, batching, training, weight sync, evaluation, checkpoints, logging."""
 
     def __init__(self, cfg: Config, groups, trainer, train_rows: list[dict], test_rows: list[dict],
-                 log: RunLog, device: torch.device):
+                 log: RunLog, device: torch.device, channel: Channel, writer: CheckpointWriter,
+                 resumed: dict | None = None):
         self.cfg, self.groups, self.trainer, self.log, self.device = cfg, groups, trainer, log, device
+        self.channel, self.writer = channel, writer
         self.rollout_ranks = list(groups.rollout_ranks)
-        self.channel = Channel(self.rollout_ranks)
+        self.lost_ranks: list[int] = []
         self.buffer = StalenessBuffer(cfg.train.prompts_per_step, cfg.staleness.max_staleness)
         self.sender = WeightSender(cfg.plan.weight_bucket_mb, cfg.plan.verify_weights, cfg.plan.timeout_s)
         self.train_ids = [r["prompt_id"] for r in train_rows]
         self.test_ids = [r["prompt_id"] for r in test_rows]
         self.data_epoch, self.data_pos = 0, 0
-        self.order = self._epoch_order(0)
+        self.nonfinite_in_a_row = 0
+        if resumed is not None:                   # everything else starts afresh (counters, timings)
+            self.buffer = StalenessBuffer.from_state_dict(resumed["buffer"])
+            self.data_epoch, self.data_pos = resumed["data_epoch"], resumed["data_pos"]
+            self.nonfinite_in_a_row = resumed["nonfinite_in_a_row"]
+        self.order = self._epoch_order(self.data_epoch)
         self.outstanding = {r: 0 for r in self.rollout_ranks}   # groups granted and not finished, per rank
         self.counters = {r: {} for r in self.rollout_ranks}     # latest counters reported by each rollout rank
-        self.pending_eval: dict[int, dict] = {}                  # version -> {correct, total, expected}
+        self.pending_eval: dict[int, dict] = {}                  # version -> {correct, total, expected, owed}
+        self.evaluated: set[int] = set()
         self.idle_s = 0.0
-        self.consumed: list = []
+        self.state_dict: dict | None = None                      # the weights of the current version (fp32, CPU)
+        self.in_collective = False                               # an error there reaches every train rank itself
+        self.last_command = time.monotonic()
 
     # -- data order: a seeded permutation per epoch; its position is what checkpoints save --------
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -147,6 +176,11 @@ class TrainHead:
         return self.order[self.data_pos - 1]
 
     # -- messages ---------------------------------------------------------------------------------
+    def command(self, kind: str, **payload) -> None:
+        """To the other train ranks (a collective on the train group)."""
+        broadcast_json({"kind": kind, **payload}, src=self.groups.train_ranks[0], group=self.groups.train_group)
+        self.last_command = time.monotonic()
+
     def grant(self) -> None:
         """Admit as many groups as the staleness bound allows, to the least-loaded rollout ranks."""
         cap = self.cfg.rollout.max_queued_groups
@@ -164,6 +198,8 @@ class TrainHead:
 
     def handle(self, src: int, msg: dict) -> None:
         kind = msg["kind"]
+        if src in self.lost_ranks:                # a dropped rank woke up: its work was re-queued already
+            return
         if kind == "result":
             trajs = [Trajectory.from_dict(t) for t in msg["trajectories"]]
             self.buffer.complete(msg["group_id"], trajs)
@@ -173,10 +209,9 @@ class TrainHead:
             ev = self.pending_eval[msg["version"]]
             ev["correct"] += sum(msg["correct"])
             ev["total"] += len(msg["correct"])
-            if ev["total"] == ev["expected"]:
-                self.log.eval(msg["version"], ev["correct"] / ev["total"], ev["total"])
-                del self.pending_eval[msg["version"]]
-        elif kind == "bye":
+            ev["owed"][src] -= len(msg["correct"])
+            self._finish_eval(msg["version"])
+        elif kind in ("bye", "alive"):
             self.counters[src] = msg["counters"]
 
     def pump(self, timeout_s: float) -> None:
@@ -185,53 +220,133 @@ class TrainHead:
             self.handle(src, msg)
         if not msgs and timeout_s > 0:
             silent = self.channel.silent_peers(self.cfg.plan.rollout_timeout_s)
-            busy = [r for r in silent if self.outstanding[r] > 0 or self._evaluating(r)]
-            if busy:
-                raise PeerTimeout(busy, self.cfg.plan.rollout_timeout_s, "rollout results")
+            busy = [r for r in silent if r in self.rollout_ranks and (self.outstanding[r] > 0 or self._owes_eval(r))]
+            for rank in busy:
+                self.drop_rollout_rank(rank, f"silent for {self.cfg.plan.rollout_timeout_s:.0f}s")
+        if time.monotonic() - self.last_command > self.cfg.plan.timeout_s / 4:
+            self.command("wait")                  # the other train ranks' broadcast must not time out
 
-    def _evaluating(self, rank: int) -> bool:
-        return bool(self.pending_eval)
+    def _owes_eval(self, rank: int) -> bool:
+        return any(ev["owed"].get(rank, 0) > 0 for ev in self.pending_eval.values())
+
+    def drop_rollout_rank(self, rank: int, why: str) -> None:
+        """Continue without a stuck rollout rank: re-queue its groups, forget its eval share and weight sends."""
+        if len(self.rollout_ranks) == 1:
+            raise PeerTimeout([rank], self.cfg.plan.rollout_timeout_s, "rollout results (no rollout rank left)")
+        self.rollout_ranks.remove(rank)
+        self.lost_ranks.append(rank)
+        self.channel.closed.add(rank)
+        self.channel.send(rank, "abort", reason=f"dropped by the train head ({why})")   # read if it ever wakes
+        requeued = self.buffer.requeue_rank(rank)
+        del self.outstanding[rank]
+        self.sender.forget(rank)
+        for version, ev in list(self.pending_eval.items()):
+            ev["expected"] -= ev["owed"].pop(rank, 0)
+            self._finish_eval(version)
+        print(f"[rank {dist.get_rank()}] warning: rollout rank {rank} {why} at step {self.buffer.version}; "
+              f"re-queued groups {requeued}; continuing with rollout ranks {self.rollout_ranks}",
+              file=sys.stderr, flush=True)
+        self.log.event(self.buffer.version, "rollout_rank_lost", rank=rank, reason=why, requeued=requeued)
+        self.grant()
 
     # -- evaluation and weights -------------------------------------------------------------------
     def start_eval(self, version: int) -> None:
+        self.evaluated.add(version)
         ids, n = self.test_ids, len(self.rollout_ranks)
-        self.pending_eval[version] = {"correct": 0, "total": 0, "expected": len(ids)}
+        owed = {rank: len(ids[j::n]) for j, rank in enumerate(self.rollout_ranks)}
+        self.pending_eval[version] = {"correct": 0, "total": 0, "expected": len(ids), "owed": owed}
         for j, rank in enumerate(self.rollout_ranks):
             self.channel.send(rank, "eval", version=version, prompt_ids=ids[j::n])
+
+    def _finish_eval(self, version: int) -> None:
+        ev = self.pending_eval[version]
+        if ev["total"] == ev["expected"]:
+            if ev["total"]:
+                self.log.eval(version, ev["correct"] / ev["total"], ev["total"])
+            del self.pending_eval[version]
 
     def wait_evals(self) -> None:
         while self.pending_eval:
             self.pump(timeout_s=1.0)
 
-    def sync_weights(self) -> float:
-        state_dict = self.trainer.gather_full_state_dict()
-        return self.sender.send(self.channel, self.rollout_ranks, state_dict, self.buffer.version, self.device)
+    def sync_weights(self, changed: bool = True) -> float:
+        if changed or self.state_dict is None:
+            self.in_collective = True
+            self.state_dict = self.trainer.gather_full_state_dict()
+            self.in_collective = False
+        try:
+            return self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version,
+                                    self.device, self.cfg.plan.rollout_timeout_s)
+        except PeerTimeout as e:                  # the previous version never left for these ranks
+            for rank in e.ranks:
+                self.drop_rollout_rank(rank, "did not receive weights in time")
+            return self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version,
+                                    self.device, self.cfg.plan.rollout_timeout_s)
 
     # -- one optimizer step -----------------------------------------------------------------------
-    def train_on(self, batch: list) -> dict:
+    def train_on(self, batch: list) -> tuple[dict, bool]:
+        """Returns (stats, updated): a batch with non-finite inputs, or whose loss or gradient turns out
+        non-finite, is consumed without an update (the trainer skips the optimizer step)."""
         version = self.buffer.version - 1            # the version these trajectories are trained at
         trajs: list[Trajectory] = []
         for ticket, group in batch:
             for t, a in zip(group, group_advantages([t.reward for t in group], self.cfg.train.advantage_eps)):
                 t.advantage = a
             trajs.extend(group)
-        broadcast_json({"kind": "train", "trajectories": [t.to_dict() for t in trajs]},
-                       src=self.groups.train_ranks[0], group=self.groups.train_group)
+        finite_inputs = all(math.isfinite(t.advantage) and all(map(math.isfinite, t.behav_logprobs)) for t in trajs)
         t0 = time.perf_counter()
-        stats = self.trainer.train_step(trajs)
+        if finite_inputs:
+            self.command("train", trajectories=[t.to_dict() for t in trajs])
+            self.in_collective = True
+            stats = self.trainer.train_step(trajs)
+            self.in_collective = False
+        else:
+            stats = {"loss": float("nan"), "grad_norm": float("nan"), "trained_tokens": 0.0}
+        updated = finite_inputs and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
         train_s = time.perf_counter() - t0
-        self.log.ledger(trajs, version, self.buffer.version)
+        self.log.ledger(trajs, version, self.buffer.version, updated)
         lags = [version - v for t in trajs for v in t.versions]
-        return {**stats, "train_s": train_s, "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+        return {**stats, "train_s": train_s, "nonfinite_skipped": int(not updated),
+                "reward_mean": sum(t.reward for t in trajs) / len(trajs),
                 "train_accuracy": sum(t.correct for t in trajs) / len(trajs),
                 "staleness_max": max(lags, default=0), "staleness_mean": sum(lags) / max(len(lags), 1),
-                "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs)}
+                "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs)}, updated
+
+    def check_finite(self, updated: bool) -> None:
+        self.nonfinite_in_a_row = 0 if updated else self.nonfinite_in_a_row + 1
+        if not updated:
+            limit = self.cfg.train.max_nonfinite_steps
+            print(f"[rank {dist.get_rank()}] warning: step {self.buffer.version} had a non-finite loss or input; "
+                  f"update skipped ({self.nonfinite_in_a_row} in a row, limit {limit})", file=sys.stderr, flush=True)
+            if self.nonfinite_in_a_row >= max(limit, 1):
+                raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (up to step "
+                                     f"{self.buffer.version}, train.max_nonfinite_steps={limit}); "
+                                     "lower train.lr or check the data and rewards")
+
+    # -- checkpoints --------------------------------------------------------------------------------
+    def checkpoint(self) -> None:
+        """Every train rank writes its shard into the temp dir, then the head completes it (checkpoint.py)."""
+        self.wait_evals()                             # eval lines land before the recorded log sizes
+        version = self.buffer.version
+        tmp = self.writer.begin(version)
+        self.command("checkpoint", dir=str(tmp))
+        self.in_collective = True
+        save_train_shard(self.trainer, tmp, dist.get_rank())
+        dist.barrier(group=self.groups.train_group)
+        self.in_collective = False
+        head_state = {"config": to_dict(self.cfg), "version": version, "buffer": self.buffer.state_dict(),
+                      "data_epoch": self.data_epoch, "data_pos": self.data_pos,
+                      "nonfinite_in_a_row": self.nonfinite_in_a_row, "wandb_id": self.log.wandb_id,
+                      "log_sizes": self.log.sizes(), "lost_rollout_ranks": self.lost_ranks}
+        self.writer.finish(tmp, version, self.state_dict, head_state)
 
     def run(self) -> None:
         cfg = self.cfg
+        start_version = self.buffer.version
         self.sync_weights()                           # rollout ranks start bitwise equal to the trainer
-        self.start_eval(self.buffer.version)
-        self.wait_evals()
+        if start_version == 0 or (cfg.logging.eval_every and start_version % cfg.logging.eval_every == 0):
+            self.start_eval(start_version)            # (a resumed run redoes the eval its checkpoint preceded)
+            self.wait_evals()
         self.grant()
         t_start = last = time.monotonic()
         last_counters = {}
@@ -244,8 +359,8 @@ class TrainHead:
                 self.grant()
             self.idle_s += time.monotonic() - t_wait
             batch = self.buffer.take()
-            stats = self.train_on(batch)
-            sync_s = self.sync_weights()
+            stats, updated = self.train_on(batch)
+            sync_s = self.sync_weights(changed=updated)
             self.grant()                              # capacity grew with the version
             now = time.monotonic()
             step_s, last = now - last, now
@@ -260,35 +375,92 @@ class TrainHead:
                          elapsed_s=now - t_start)
             last_counters["gen"] = gen_tokens
             self.log.step(stats)
-            if cfg.logging.eval_every and self.buffer.version % cfg.logging.eval_every == 0 \
-                    and self.buffer.version < cfg.train.total_steps:
-                self.start_eval(self.buffer.version)
-        if self.buffer.version not in self.pending_eval:
+            self.check_finite(updated)
+            v = self.buffer.version
+            if (cfg.checkpoint.every and v % cfg.checkpoint.every == 0) or \
+                    (cfg.checkpoint.at_end and v == cfg.train.total_steps):
+                self.checkpoint()
+            if cfg.logging.eval_every and v % cfg.logging.eval_every == 0 and v < cfg.train.total_steps:
+                self.start_eval(v)
+        if self.buffer.version not in self.evaluated:
             self.start_eval(self.buffer.version)
         self.wait_evals()
         self.shutdown()
+        if self.lost_ranks:
+            raise RolloutRanksLost(f"finished at step {self.buffer.version} without rollout rank(s) "
+                                   f"{self.lost_ranks} (stopped answering); exiting 3 so the launcher ends them")
 
     def shutdown(self) -> None:
-        broadcast_json({"kind": "stop"}, src=self.groups.train_ranks[0], group=self.groups.train_group)
+        self.command("stop")
         for rank in self.rollout_ranks:
             self.channel.send(rank, "stop")
         deadline = time.monotonic() + self.cfg.plan.timeout_s
-        while len(self.channel.closed) < len(self.rollout_ranks) and time.monotonic() < deadline:
+        while any(r not in self.channel.closed for r in self.rollout_ranks) and time.monotonic() < deadline:
             for src, msg in self.channel.poll(timeout_s=0.5):
-                if msg["kind"] in ("result", "eval_result", "bye"):
+                if msg["kind"] in ("result", "eval_result", "bye", "alive") and src in self.counters:
                     self.counters[src] = msg.get("counters", self.counters[src])
         self.sender.wait(self.cfg.plan.timeout_s)
+
+    def abort(self, reason: str) -> None:
+        """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""
+        for rank in self.rollout_ranks:
+            self.channel.send(rank, "abort", reason=reason)
+        if not self.in_collective:
+            self.command("abort", reason=reason)
 
 
 def run_train_follower(groups, trainer) -> None:
     """Train ranks other than the head: do what the head broadcasts."""
     head = groups.train_ranks[0]
+    trainer.gather_full_state_dict()                 # the head's first weight sync (a collective under TP/PP)
     while True:
         cmd = broadcast_json(None, src=head, group=groups.train_group)
-        if cmd["kind"] == "stop":
+        kind = cmd["kind"]
+        if kind == "stop":
             return
-        trainer.train_step([Trajectory.from_dict(t) for t in cmd["trajectories"]])
-        trainer.gather_full_state_dict()
+        if kind == "abort":
+            raise Aborted(cmd["reason"])
+        if kind == "train":
+            trainer.train_step([Trajectory.from_dict(t) for t in cmd["trajectories"]])
+            trainer.gather_full_state_dict()
+        elif kind == "checkpoint":
+            save_train_shard(trainer, Path(cmd["dir"]), dist.get_rank())
+            dist.barrier(group=groups.train_group)
+
+
+# ---------------------------------------------------------------------------------------------- resume
+def resolve_resume(cfg: Config, groups) -> tuple[Path | None, dict | None]:
+    """Head: find the checkpoint and check its config; tell the other train ranks which one to load (or that
+    resolving failed, so they stop too). Returns (checkpoint, head state)."""
+    head = groups.train_ranks[0]
+    if dist.get_rank() == head:
+        try:
+            path = find_resume(cfg)
+            state = load_head_state(path, cfg) if path is not None else None
+        except (CheckpointError, OSError, json.JSONDecodeError, KeyError) as e:
+            broadcast_json({"error": str(e)}, src=head, group=groups.train_group)
+            raise CheckpointError(str(e)) from None
+        broadcast_json({"path": str(path) if path else None}, src=head, group=groups.train_group)
+        return path, state
+    msg = broadcast_json(None, src=head, group=groups.train_group)
+    if "error" in msg:
+        raise Aborted(msg["error"])
+    return (Path(msg["path"]) if msg["path"] else None), None
+
+
+def open_run(cfg: Config, checkpoint: Path | None, state: dict | None, plan: dict) -> RunLog:
+    """The run directory and its logs; on resume, logs are cut back to the checkpoint (exactly once)."""
+    if checkpoint is not None:
+        run_dir = run_dir_of(checkpoint)
+        dropped = truncate_logs(run_dir, state["log_sizes"])
+        retired = CheckpointWriter(run_dir, 0, None, None).retire_after(state["version"])
+        print(f"hexrl: resuming from {checkpoint} (step {state['version']}); dropped {dropped} bytes of log "
+              f"written after it; set aside later checkpoints {[p.name for p in retired]}", flush=True)
+        return RunLog(cfg, run_dir, plan, step_offset=state["version"], wandb_id=state["wandb_id"])
+    run_dir = run_directory(cfg)
+    if cfg.checkpoint.resume == "auto":          # a crash before the first checkpoint: start the logs again
+        truncate_logs(run_dir, {name: 0 for name in LOGS})
+    return RunLog(cfg, run_dir, plan)
 
 
 # ---------------------------------------------------------------------------------------------- main
@@ -304,21 +476,43 @@ def main(argv: list[str]) -> int:
 
     from parallel.groups import build_groups
     groups = build_groups(plan)                      # collective: every rank, same order
-    train_rows, test_rows = load_task(cfg.data, tok)
+    try:
+        train_rows, test_rows = load_task(cfg.data, tok)
+    except (ValueError, OSError, RuntimeError) as e:   # bad rows (on_bad_row=fail), missing files, no rows
+        raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]
 
     if groups.role == "rollout":
         from rollout_worker import RolloutWorker
         RolloutWorker(cfg, load_model(cfg, device), tok, train_rows, test_rows, head, device).run()
-    else:
+        return 0
+    if rank != head:
         trainer = make_trainer(cfg, groups, device)
-        if rank == head:
-            run_dir = run_directory(cfg)
-            log = RunLog(cfg, run_dir, plan)
-            TrainHead(cfg, groups, trainer, train_rows, test_rows, log, device).run()
-            log.close()
-        else:
-            run_train_follower(groups, trainer)
+        checkpoint, _ = resolve_resume(cfg, groups)
+        if checkpoint is not None:
+            load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))
+        run_train_follower(groups, trainer)
+        return 0
+    channel = Channel(groups.rollout_ranks)
+    try:
+        trainer = make_trainer(cfg, groups, device)
+        checkpoint, state = resolve_resume(cfg, groups)
+        if checkpoint is not None:
+            load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))
+        log = open_run(cfg, checkpoint, state, plan)
+    except BaseException as e:
+        for r in groups.rollout_ranks:
+            channel.send(r, "abort", reason=str(e))
+        raise
+    writer = CheckpointWriter(log.dir, cfg.checkpoint.keep, tok, hf_config)
+    head_loop = TrainHead(cfg, groups, trainer, train_rows, test_rows, log, device, channel, writer, state)
+    try:
+        head_loop.run()
+    except BaseException as e:
+        head_loop.abort(str(e))
+        raise
+    finally:
+        log.close()
     return 0
 
 
@@ -333,12 +527,26 @@ def shutdown_cleanly(code: int) -> None:
     os._exit(code)
 
 
+# Errors every rank meets identically (config, rank map, model path, data): only rank 0 prints them.
+SAME_ON_EVERY_RANK = (ConfigError, RankMapError, SetupError)
+CLEAR_ERRORS = (CheckpointError, NonFiniteError, PeerTimeout, WeightSyncError, ValueError, OSError)
+
+
+def exit_on_error(e: BaseException) -> None:
+    rank = os.environ.get("RANK", "0")
+    if isinstance(e, RolloutRanksLost):
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+        os._exit(3)
+    quiet = isinstance(e, Aborted) or (isinstance(e, SAME_ON_EVERY_RANK) and rank != "0")
+    if not quiet:
+        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+    os._exit(2)
+
+
 if __name__ == "__main__":
     code = 1
     try:
         code = main(sys.argv[1:])
-    except (ConfigError, RankMapError, SetupError, PeerTimeout, ValueError) as e:
-        rank = os.environ.get("RANK", "0")
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        os._exit(2)
+    except (Aborted, RolloutRanksLost, *SAME_ON_EVERY_RANK, *CLEAR_ERRORS) as e:
+        exit_on_error(e)
     shutdown_cleanly(code)

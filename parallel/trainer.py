@@ -298,7 +298,7 @@ class Trainer:
                 coef = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
                 for p in self.params.values():
                     p.grad.mul_(coef.to(p.grad.dtype))
-            self.optimizer.step()
+            self._optimizer_step_if_finite(norm)
             w_max = stats[6].clone()
             totals[:6] += stats[:6]
             totals[6] = torch.maximum(totals[6], w_max)
@@ -313,6 +313,16 @@ class Trainer:
         return {"loss": loss / k, "grad_norm": sum(grad_norms) / k, "pg_clipfrac": clipped / max(n_loss, 1.0),
                 "importance_weight_mean": w_sum / max(n_valid, 1.0), "importance_weight_max": w_max,
                 "entropy": ent_sum / max(n_valid, 1.0), "trained_tokens": n_valid, "num_microbatches": n_mb.item()}
+
+    def _optimizer_step_if_finite(self, global_grad_norm: torch.Tensor) -> bool:
+        """A NaN/inf gradient (every rank sees the same all-reduced norm) skips the update on every rank, so
+        neither the weights nor the AdamW moments are poisoned; the caller sees the non-finite grad_norm."""
+        if not torch.isfinite(global_grad_norm):
+            for p in self.params.values():
+                p.grad = None
+            return False
+        self.optimizer.step()
+        return True
 
     def _reduce_stats(self, totals: torch.Tensor) -> tuple[list[float], float]:
         """stats live on the last stage, replicated over TP: count TP rank 0 only, sum over DP (max for w)"""

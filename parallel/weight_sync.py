@@ -4,6 +4,8 @@ The train head announces a version on the control channel (bucket layout + one c
 then sends each bucket as one flat tensor (gloo on CPU, NCCL on GPU: the bucket lives on the sender's
 device). The rollout side receives into buffers of the announced sizes, verifies the checksums when
 asked to, and rebuilds the state dict with HF names and shapes — bitwise what the trainer holds.
+A mismatch raises WeightSyncError (the rollout rank stops rather than generate with corrupted weights);
+a rollout rank that does not take its buckets within the deadline is named in a PeerTimeout.
 """
 from __future__ import annotations
 
@@ -15,6 +17,11 @@ import torch.distributed as dist
 from parallel.channel import wait_work
 
 WEIGHT_TAG = 21
+
+
+class WeightSyncError(RuntimeError):
+    pass
+
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
@@ -57,11 +64,13 @@ class WeightSender:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.verify = verify
         self.in_flight: list[tuple] = []
+        self.abandoned: list[tuple] = []          # sends to dropped ranks: gloo may still read these buffers
 
     def send(self, channel, dst_ranks: list[int], state_dict: dict[str, torch.Tensor], version: int,
-             device: torch.device) -> float:
+             device: torch.device, wait_timeout_s: float | None = None) -> float:
+        """Announce and send one version; first waits (up to wait_timeout_s) for the previous one to leave."""
         t0 = time.perf_counter()
-        self.wait(self.timeout_s)
+        self.wait(self.timeout_s if wait_timeout_s is None else wait_timeout_s)
         buckets = [(meta, flat.to(device)) for meta, flat in make_buckets(state_dict, self.bucket_bytes)]
         metas = []
         for meta, flat in buckets:
@@ -73,10 +82,25 @@ class WeightSender:
         return time.perf_counter() - t0
 
     def wait(self, timeout_s: float) -> None:
-        """The previous version's buckets must have left before their memory is reused."""
+        """The previous version's buckets must have left before their memory is reused. Raises PeerTimeout
+        naming every rank that did not take them in time (their sends are then abandoned)."""
+        late: list[int] = []
         for (dst, work, _) in self.in_flight:
-            wait_work(work, timeout_s, [dst], "a rollout rank to receive weights")
+            if dst in late:
+                continue
+            try:
+                wait_work(work, timeout_s, [dst], "a rollout rank to receive weights")
+            except PeerTimeout:
+                late.append(dst)
+        self.abandoned += [x for x in self.in_flight if x[0] in late]
         self.in_flight = []
+        if late:
+            raise PeerTimeout(late, timeout_s, "a rollout rank to receive weights")
+
+    def forget(self, rank: int) -> None:
+        """A dropped rank: stop waiting for its sends (kept alive, never awaited)."""
+        self.abandoned += [x for x in self.in_flight if x[0] == rank]
+        self.in_flight = [x for x in self.in_flight if x[0] != rank]
 
 
 def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> dict[str, torch.Tensor]:
@@ -86,8 +110,8 @@ def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> 
         flat = torch.empty(meta["numel"], dtype=DTYPES[meta["dtype"]], device=device)
         dist.recv(flat, src=src, tag=WEIGHT_TAG)      # sent right after the announcement; PG timeout applies
         if verify and meta["checksum"] is not None and checksum(flat) != meta["checksum"]:
-            raise RuntimeError(f"weight checksum mismatch for version {msg['version']} "
-                               f"(bucket starting at {meta['names'][0]})")
+            raise WeightSyncError(f"weight checksum mismatch for version {msg['version']} "
+                                  f"(bucket starting at {meta['names'][0]}): corrupted in transfer")
         offset = 0
         for name, shape in zip(meta["names"], meta["shapes"]):
             n = 1
