@@ -866,8 +866,10 @@ def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficie
             mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
             slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
             eff.link_eff, eff.sync_latency_s = 1 / max(slope, 1e-6), max(0.0, my - slope * mx)
-        else:
-            eff.link_eff = xs[0] / max(ys[0] - eff.sync_latency_s, 1e-6)
+        else:                                                # one point: keep latency <= half the measurement
+            eff.sync_latency_s = min(eff.sync_latency_s, 0.5 * ys[0])
+            eff.link_eff = xs[0] / (ys[0] - eff.sync_latency_s)
+        eff.link_eff = min(max(eff.link_eff, 1e-3), 1.0)     # a fraction of nominal bandwidth
     eff.per_type["*"] = cm.TypeEfficiency(**vars(eff.per_type[types[0]]))
     return eff
 

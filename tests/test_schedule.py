@@ -236,3 +236,22 @@ def test_more_hbm_bandwidth_goes_to_rollout():
     h800 = [r for r in plan["ranks"] if r["gpu_type"] == "H800"]
     h20 = [r for r in plan["ranks"] if r["gpu_type"] == "H20"]
     assert sum(r["role"] == "train" for r in h800) / len(h800) > sum(r["role"] == "train" for r in h20) / len(h20)
+
+
+def test_calibrate_recovers_known_constants():
+    """Measurements generated with known constants are fitted back from different starting values."""
+    cluster = cm.load_cluster(ROOT / "exp/clusters/h800_24.yaml")
+    wl = cm.Workload(prompts_per_step=32, samples_per_prompt=8, prompt_len=128, gen_samples=[500, 2000, 6000])
+    true = cm.Efficiency(per_type={"H800": cm.TypeEfficiency(mfu_train=0.23, mfu_infer=0.5, hbm_eff=0.31)},
+                         link_eff=0.4, sync_latency_s=1.5)
+    points = []
+    for name in ("qwen2.5-0.5b", "deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b"):
+        model = cm.load_model(name)
+        ev = sc.Planner(cluster, model, wl, true).evaluate((8, 0, 0))
+        points.append((sc.Planner(cluster, model, wl), (8, 0, 0),
+                       {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s}))
+    fit = sc.calibrate(points)
+    assert fit.per_type["H800"].mfu_train == pytest.approx(0.23, rel=0.02)
+    assert fit.per_type["H800"].hbm_eff == pytest.approx(0.31, rel=0.05)
+    assert fit.link_eff == pytest.approx(0.4, rel=0.02)
+    assert fit.sync_latency_s == pytest.approx(1.5, rel=0.02)
