@@ -785,7 +785,8 @@ def plot_plan(plan_json: dict, path: str) -> None:
                 color, label = "#c0392b", f"S{r['pp']}\nd{r['dp']}t{r['tp']}"
             else:
                 rep = r["replica"]
-                color = "#dddddd" if rep is None else col.setdefault(rep, cmap((2 * rep + 1) % 20))
+                palette = [i for i in range(20) if i not in (14, 15)]      # skip tab20's greys (idle is grey)
+                color = "#dddddd" if rep is None else col.setdefault(rep, cmap(palette[(2 * rep + 1) % 18]))
                 label = "idle" if rep is None else f"R{rep}"
             ax.add_patch(plt.Rectangle((x, -row), 0.92, 0.85, color=color))
             ax.text(x + 0.46, -row + 0.42, f"{label}\n#{r['rank']}", ha="center", va="center", fontsize=6)
@@ -797,7 +798,7 @@ def plot_plan(plan_json: dict, path: str) -> None:
     pr = plan_json["predicted"]
     ax.set_title(f"step {pr['step_s']:.1f} s, {pr['tokens_per_s']:.0f} tok/s, ${pr['dollars_per_hour']:.2f}/h", fontsize=9)
     ax.legend(handles=[Patch(color="#c0392b", label="train (stage, dp, tp)"), Patch(color=cmap(1), label="rollout replica")],
-              loc="upper right", fontsize=7, bbox_to_anchor=(1, 1.25))
+              loc="upper center", fontsize=7, ncol=2, bbox_to_anchor=(0.5, 0.0))
     fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
 
