@@ -168,6 +168,7 @@ def main() -> None:
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", default="rl,greedy")
+    ap.add_argument("--repeats", type=int, default=1, help="runs per engine (alternating); the fastest counts")
     args = ap.parse_args()
     if args.requests % 4:
         raise SystemExit(f"--requests must be a multiple of 4 (prompts x 4 samples), got {args.requests}")
@@ -201,12 +202,16 @@ def main() -> None:
             max_seq_len = max(len(p) for p in prompts) + max(limits)
             run_ours(model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, max_seq_len)   # warm-up
             run_hf(model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, 0)
-            for engine in ("ours", "hf"):
-                if engine == "ours":
-                    useful, seconds, steps = run_ours(model, prompts, limits, temperature, wl_stop, args.slots,
-                                                      max_seq_len)
-                else:
-                    useful, seconds, steps = run_hf(model, prompts, limits, temperature, wl_stop, args.slots, 0)
+            best: dict[str, tuple[int, float, int]] = {}
+            for _ in range(args.repeats):   # alternate engines; keep each one's fastest run (shared CPUs are noisy)
+                for engine in ("ours", "hf"):
+                    if engine == "ours":
+                        result = run_ours(model, prompts, limits, temperature, wl_stop, args.slots, max_seq_len)
+                    else:
+                        result = run_hf(model, prompts, limits, temperature, wl_stop, args.slots, 0)
+                    if engine not in best or result[1] < best[engine][1]:
+                        best[engine] = result
+            for engine, (useful, seconds, steps) in best.items():
                 rows.append(dict(model=f"{name} ({n_params / 1e6:.1f}M)", workload=workload, engine=engine,
                                  tokens=useful, steps=steps, seconds=seconds, tps=useful / seconds,
                                  gbs=steps * weight_bytes / seconds / 1e9,
