@@ -162,6 +162,7 @@ class TrainHead:
         self.state_dict: dict | None = None                      # the weights of the current version (fp32, CPU)
         self.in_collective = False                               # an error there reaches every train rank itself
         self.last_command = time.monotonic()
+        self.stopped = False
 
     # -- data order: a seeded permutation per epoch; its position is what checkpoints save --------
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -392,6 +393,7 @@ class TrainHead:
 
     def shutdown(self) -> None:
         self.command("stop")
+        self.stopped = True
         for rank in self.rollout_ranks:
             self.channel.send(rank, "stop")
         deadline = time.monotonic() + self.cfg.plan.timeout_s
@@ -403,10 +405,15 @@ class TrainHead:
 
     def abort(self, reason: str) -> None:
         """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""
+        if self.stopped:                          # they have their `stop` already
+            return
         for rank in self.rollout_ranks:
             self.channel.send(rank, "abort", reason=reason)
         if not self.in_collective:
-            self.command("abort", reason=reason)
+            try:
+                self.command("abort", reason=reason)
+            except RuntimeError:                  # a train rank is gone: torchrun ends the others
+                pass
 
 
 def run_train_follower(groups, trainer) -> None:
@@ -520,7 +527,10 @@ def shutdown_cleanly(code: int) -> None:
     """barrier → destroy → flush → os._exit: gloo ranks importing transformers can abort at exit otherwise."""
     if dist.is_initialized():
         if code == 0:
-            dist.barrier()
+            try:
+                dist.barrier()
+            except RuntimeError:        # a peer ended first (e.g. the head exiting 3): it reports why itself
+                os._exit(0)
         dist.destroy_process_group()
     sys.stdout.flush()
     sys.stderr.flush()

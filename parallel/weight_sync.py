@@ -14,7 +14,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from parallel.channel import wait_work
+from parallel.channel import PeerTimeout, wait_work
 
 WEIGHT_TAG = 21
 
