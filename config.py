@@ -253,7 +253,7 @@ def to_dict(cfg: Config) -> dict:
 
 
 # Keys that may differ between a checkpoint and the run resuming from it (everything else must match).
-RESUMABLE_KEYS = {"train.total_steps", "train.max_train_seconds", "logging.run_name", "logging.progress",
+RESUMABLE_KEYS = {"train.total_steps", "train.max_train_seconds", "logging.run_dir", "logging.run_name", "logging.progress",
                   "logging.wandb", "logging.eval_every", "checkpoint.resume", "checkpoint.every", "checkpoint.keep",
                   "checkpoint.at_end", "plan.timeout_s", "plan.rollout_timeout_s", "plan.path", "plan.num_rollout",
                   "plan.weight_bucket_mb", "plan.verify_weights"}

@@ -1,0 +1,267 @@
+"""Bad input: one clear `[rank R] error: ...` line, exit code 2, no traceback from hexrl code, nothing lost.
+
+Launch-level cases run train.py for real (plain python for config errors; torchrun with 2 ranks, concurrently, for
+the rest); checkpoint refusal, non-finite steps, weight-sync corruption, adversarial rewards and unsafe code
+patterns are checked in-process.
+"""
+from __future__ import annotations
+
+import ast
+import copy
+import json
+import math
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from tiny import ENV, ROOT
+
+torch.set_num_threads(1)
+
+
+def our_traceback(stderr: str) -> bool:
+    """A traceback through hexrl's own files (torchrun's own ChildFailedError summary does not count)."""
+    return any(line.strip().startswith("File ") and str(ROOT) in line and ".venv" not in line
+               for line in stderr.splitlines())
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "] error: " in line]
+
+
+def start(args: list[str], nproc: int = 0, cwd: Path = ROOT) -> subprocess.Popen:
+    launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"] if nproc else []
+    return subprocess.Popen([sys.executable, *launcher, "train.py", *args], cwd=cwd, env=ENV,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+
+def test_config_errors_without_launcher():
+    procs = {"unknown": start(["train.lrr=1e-5"]), "typed": start(["train.total_steps=many"]),
+             "not_kv": start(["--fast"])}
+    expected = {"unknown": "[rank 0] error: unknown config key 'train.lrr'; did you mean 'train.lr'?",
+                "typed": "[rank 0] error: config key 'train.total_steps' expects int, got 'many'",
+                "not_kv": "[rank 0] error: argument '--fast' is not of the form key=value"}
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=120)
+        assert proc.returncode == 2, (name, err[-2000:])
+        assert err.strip().splitlines() == [expected[name]], (name, err[-2000:])
+
+
+def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
+    """Each: exactly one error line (rank 0), torchrun fails, no hexrl traceback, nothing written to a run dir."""
+    bad_plan = tmp_path / "plan8.json"
+    from parallel.rankmap import make_plan
+    bad_plan.write_text(json.dumps(make_plan(8, [0, 1, 2, 3], [4, 5, 6, 7], 4, 1, 1, 2)))
+    bad_rows = tmp_path / "rows.jsonl"
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(6)]
+    rows[3] = {"question": "What is 3+1?"}                                  # the answer field is missing
+    bad_rows.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    common = [f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'runs'}", "logging.run_name=r",
+              "logging.progress=false", "plan.timeout_s=60"]
+    cases = {
+        "world": ([f"plan={bad_plan}"], "rank map is for world_size=8 but torchrun started 2 ranks"),
+        "roles": (["plan.num_rollout=2"], "plan.num_rollout=2 leaves no rollout or no train rank in a world of 2"),
+        "model": (["model.path=/nonexistent/model-dir"], "model.path '/nonexistent/model-dir' does not exist"),
+        "rows": ([f"data.task={bad_rows}", "data.on_bad_row=fail"], "row 4: missing field 'answer'"),
+        "resume": (["resume=/nonexistent/step_4"], "checkpoint.resume '/nonexistent/step_4' is not a directory"),
+    }
+    procs = {}
+    for name, (extra, _) in cases.items():
+        procs[name] = start([*common[:2], f"logging.run_name={name}", *common[3:], *extra], nproc=2)
+        time.sleep(1.0)                              # stagger the rendezvous ports / imports a little
+    for name, proc in procs.items():
+        _, err = proc.communicate(timeout=240)
+        lines = error_lines(err)
+        assert proc.returncode != 0, name
+        assert len(lines) == 1 and lines[0].startswith("[rank 0] error: "), (name, err[-3000:])
+        assert cases[name][1] in lines[0], (name, lines)
+        assert not our_traceback(err), (name, err[-3000:])
+        assert not (tmp_path / "runs" / name / "ledger.jsonl").exists() or \
+            (tmp_path / "runs" / name / "ledger.jsonl").stat().st_size == 0, name
+
+
+def test_bad_rows_skip_is_counted(tmp_path):
+    from config import DataConfig
+    from tasks import load_task
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(10)]
+    rows[2] = {"answer": "#### 3"}
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n{not json\n")
+
+    class Tok:
+        chat_template = None
+
+    train, test = load_task(DataConfig(task=str(path), on_bad_row="skip", num_test=0), Tok())
+    assert len(train) + len(test) == 9                  # the two bad rows are skipped, every good one kept
+    assert len({r["prompt_id"] for r in train + test}) == 9
+
+
+# ---------------------------------------------------------------------------------------------- checkpoints
+def test_resume_refuses_other_config_and_incomplete_checkpoints(tmp_path):
+    from checkpoint import CheckpointError, find_resume, latest_complete, load_head_state, truncate_logs
+    from config import load_config, to_dict
+
+    run = tmp_path / "r"
+    for step, complete in ((2, True), (4, True), (6, False)):
+        d = run / "checkpoints" / f"step_{step}"
+        d.mkdir(parents=True)
+        saved = load_config(["train.lr=3e-4", "max_staleness=2"])
+        (d / "state.json").write_text(json.dumps({"config": to_dict(saved), "version": step}))
+        if complete:
+            (d / "COMPLETE").write_text("")
+    (run / "checkpoints" / ".tmp_step_8").mkdir()
+    assert latest_complete(run) == run / "checkpoints" / "step_4"    # the incomplete and temp dirs never count
+
+    cfg = load_config([f"logging.run_dir={tmp_path}", "logging.run_name=r", "resume=auto", "train.lr=3e-4",
+                       "max_staleness=2", "train.total_steps=999"])   # total_steps may change on resume
+    assert find_resume(cfg) == run / "checkpoints" / "step_4"
+    assert load_head_state(find_resume(cfg), cfg)["version"] == 4
+    other = load_config([f"logging.run_dir={tmp_path}", "logging.run_name=r", "resume=auto", "train.lr=1e-4",
+                         "max_staleness=2", "train.seed=7"])
+    with pytest.raises(CheckpointError, match=r"different config: staleness|train\.lr .*3e-4|train\.lr") as e:
+        load_head_state(find_resume(other), other)
+    assert "train.lr (checkpoint 0.0003, now 0.0001)" in str(e.value) and "train.seed" in str(e.value)
+    with pytest.raises(CheckpointError, match="incomplete"):
+        find_resume(load_config([f"resume={run / 'checkpoints' / 'step_6'}"]))
+    empty = load_config([f"logging.run_dir={tmp_path}", "logging.run_name=fresh", "resume=auto"])
+    assert find_resume(empty) is None                                  # resume=auto on a new run starts fresh
+
+    (run / "ledger.jsonl").write_text("a\nb\nc\n")
+    assert truncate_logs(run, {"ledger.jsonl": 4}) == {"ledger.jsonl": 2}
+    assert (run / "ledger.jsonl").read_text() == "a\nb\n"
+    with pytest.raises(CheckpointError, match="does not belong"):
+        truncate_logs(run, {"ledger.jsonl": 100})
+
+
+# ---------------------------------------------------------------------------------------------- non-finite steps
+@pytest.fixture(scope="module")
+def world_of_one():
+    with tempfile.TemporaryDirectory() as d:
+        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
+        yield
+        dist.destroy_process_group()
+
+
+def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
+    from dist_parallel_worker import make_trajectories, tiny_model
+
+    from buffer import Trajectory
+    from checkpoint import CheckpointWriter
+    from config import load_config
+    from parallel.channel import Channel
+    from parallel.groups import build_groups, make_train_plan
+    from parallel.trainer import Trainer, TrainerConfig
+    from runlog import RunLog
+    from train import NonFiniteError, TrainHead
+
+    model = tiny_model("llama")
+    groups = build_groups(make_train_plan(1, 1, 1, [(0, model.config.num_hidden_layers)]))
+    trainer = Trainer(copy.deepcopy(model), groups, TrainerConfig(lr=1e-2, micro_batch_tokens=64), "cpu")
+    trajs = [Trajectory(prompt_id=t.prompt_id, sample_idx=i % 2, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
+                        behav_logprobs=t.behav_logprobs, versions=[0] * len(t.response_ids), reward=float(i % 2),
+                        group_id=i // 2) for i, t in enumerate(make_trajectories(model, 4, 1.0))]
+    cfg = load_config(["train.max_nonfinite_steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=2",
+                       "logging.progress=false", "logging.wandb=disabled"])
+    log = RunLog(cfg, tmp_path, {})
+    head = TrainHead(cfg, groups, trainer, [{"prompt_id": 0}], [], log, torch.device("cpu"), Channel([]),
+                     CheckpointWriter(tmp_path, 2, None, None))
+    head.buffer.version = 1
+
+    def batch(ts):
+        return [(None, [copy.deepcopy(t) for t in ts[:2]]), (None, [copy.deepcopy(t) for t in ts[2:]])]
+
+    before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    poisoned = [copy.deepcopy(t) for t in trajs]
+    poisoned[1].behav_logprobs[0] = math.nan                   # a non-finite input: no train step at all
+    stats, updated = head.train_on(batch(poisoned))
+    assert not updated and stats["nonfinite_skipped"] == 1
+    head.check_finite(updated)
+    assert all(torch.equal(p, before[n]) for n, p in trainer.params.items())
+
+    # a loss that turns non-finite inside the trainer: the optimizer step is skipped (weights, AdamW state intact)
+    name = next(n for n in trainer.params if "layers.0" in n and trainer.params[n].dim() == 2)
+    with torch.no_grad():
+        trainer.params[name][0, 0] = math.inf
+    poisoned_before = {n: p.detach().clone() for n, p in trainer.params.items()}
+    with pytest.raises(NonFiniteError, match="2 non-finite steps in a row .*max_nonfinite_steps=2"):
+        stats, updated = head.train_on(batch(trajs))
+        assert not updated and not math.isfinite(stats["grad_norm"])
+        head.check_finite(updated)
+    assert all(torch.equal(p, poisoned_before[n]) for n, p in trainer.params.items())
+    assert not trainer.optimizer.state                        # AdamW moments never saw a NaN
+
+    with torch.no_grad():                                      # healthy again: a real update, the streak resets
+        trainer.params[name].copy_(before[name])
+    stats, updated = head.train_on(batch(trajs))
+    assert updated and math.isfinite(stats["loss"])
+    head.check_finite(updated)
+    assert head.nonfinite_in_a_row == 0
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.params.items())
+    log.close()
+    ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [e["updated"] for e in ledger] == [False] * 4 + [False] * 4 + [True] * 4   # every batch accounted for
+    metrics = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in metrics                                # strict JSON: non-finite values are null
+
+
+# ---------------------------------------------------------------------------------------------- weights, rewards, code
+def test_corrupted_weights_are_refused(monkeypatch):
+    from parallel import weight_sync
+    from parallel.weight_sync import WeightSyncError, checksum, make_buckets, receive_weights
+
+    sd = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(5)}
+    (meta, flat), = make_buckets(sd, 1 << 20)
+    msg = {"version": 7, "buckets": [{**meta, "checksum": checksum(flat)}]}
+    corrupted = flat.clone()
+    corrupted[5] = torch.nextafter(corrupted[5], torch.tensor(math.inf))   # one ulp of one weight
+
+    def fake_recv(payload):
+        monkeypatch.setattr(weight_sync.dist, "recv", lambda t, src, tag: t.copy_(payload))
+
+    fake_recv(flat)
+    got = receive_weights(msg, 0, torch.device("cpu"), verify=True)
+    assert all(torch.equal(got[n], sd[n]) for n in sd)
+    fake_recv(corrupted)
+    with pytest.raises(WeightSyncError, match="checksum mismatch for version 7 .*a.weight"):
+        receive_weights(msg, 0, torch.device("cpu"), verify=True)
+
+
+def test_adversarial_model_outputs_score_zero_in_bounded_time():
+    from reward_math import score
+    attacks = ["\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
+               "x" * 1_000_000 + "\\boxed{4}", "\\boxed{" + "1" * 100_000 + "}",
+               "\\boxed{__import__('os').system('echo pwned')}", "\\boxed{\\frac{1}{0}}", "\x00\\boxed{}"]
+    for text in attacks:
+        t0 = time.perf_counter()
+        assert score(text, "4") == 0.0, text[:60]
+        assert time.perf_counter() - t0 < 10.0, text[:60]
+
+
+def test_no_eval_or_exec_and_only_safe_torch_load():
+    files = [p for p in ROOT.rglob("*.py") if ".venv" not in p.parts and "wandb" not in p.parts]
+    assert files
+    offenders = []
+    for path in files:
+        tree = ast.parse(path.read_text(), filename=str(path))
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call):
+                continue
+            f = node.func
+            if isinstance(f, ast.Name) and f.id in ("eval", "exec"):
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {f.id}()")
+            if isinstance(f, ast.Attribute) and f.attr == "load" and isinstance(f.value, ast.Name) \
+                    and f.value.id == "torch":
+                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                           for k in node.keywords)
+                if not safe:
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.load without weights_only=True")
+            if isinstance(f, ast.Attribute) and f.attr in ("loads", "load") and isinstance(f.value, ast.Name) \
+                    and f.value.id == "pickle":
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} pickle.{f.attr}")
+    assert not offenders, offenders
