@@ -547,8 +547,9 @@ def exit_on_error(e: BaseException) -> None:
     if isinstance(e, RolloutRanksLost):
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
         os._exit(3)
-    quiet = isinstance(e, Aborted) or (isinstance(e, SAME_ON_EVERY_RANK) and rank != "0")
-    if not quiet:
+    if isinstance(e, SAME_ON_EVERY_RANK) and rank != "0":
+        time.sleep(5.0)              # rank 0 prints it; exiting first would make torchrun kill rank 0 mid-way
+    elif not isinstance(e, Aborted):
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
     os._exit(2)
 
