@@ -49,16 +49,36 @@ def sample_problem(rng: random.Random) -> Problem:
     return Problem(question, end, (a, b, c), ops)
 
 
-def worked_solution(p: Problem, rng: random.Random | None = None, mistake_rate: float = 0.0) -> str:
-    """` a+b=m. m-c=r. \\boxed{r}`; with probability `mistake_rate` one typical mistake is made."""
+def _needs_carry(a: int, op: str, b: int) -> bool:
+    """Does a + b carry (or a - b borrow) in the units digit?"""
+    return (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
+
+
+def worked_solution(p: Problem, rng: random.Random | None = None, mistake_rate: float = 0.0,
+                    mistakes: str = "systematic") -> str:
+    """` a+b=m. m-c=r. \\boxed{r}`, possibly with a typical mistake.
+
+    mistakes="systematic" (the warm start's): with probability `mistake_rate`, a subtraction in the first
+    step is done as an addition, and, independently, a carry/borrow in the last step is forgotten (±10).
+    Such slips are tied to features of the problem, so for those problems the *most likely* answer is
+    wrong (greedy fails) while correct answers keep a large share (sampling succeeds) — capable but
+    unsharp. mistakes="random": one slip (flipped first operation or an off-by-one last step) with
+    probability `mistake_rate`, anywhere."""
     (a, b, c), (op1, op2) = p.terms, p.ops
-    mistake = rng.choice(["flip", "off_by_one"]) if rng is not None and rng.random() < mistake_rate else None
-    if mistake == "flip":                         # the first operation done the wrong way round
-        op1 = "-" if op1 == "+" else "+"
+    slip = rng is not None and rng.random() < mistake_rate
+    if mistakes == "random":
+        kind = rng.choice(["flip", "off_by_one"]) if slip else None
+        if kind == "flip":
+            op1 = "-" if op1 == "+" else "+"
+        mid = _apply(a, op1, b)
+        end = _apply(mid, op2, c) + (rng.choice([-1, 1]) if kind == "off_by_one" else 0)
+        return f" {a}{op1}{b}={mid}. {mid}{op2}{c}={end}. \\boxed{{{end}}}"
+    if slip and op1 == "-":
+        op1 = "+"
     mid = _apply(a, op1, b)
     end = _apply(mid, op2, c)
-    if mistake == "off_by_one":                   # a slip in the last step
-        end += rng.choice([-1, 1])
+    if rng is not None and _needs_carry(mid, op2, c) and rng.random() < mistake_rate:
+        end += -10 if op2 == "+" else 10
     return f" {a}{op1}{b}={mid}. {mid}{op2}{c}={end}. \\boxed{{{end}}}"
 
 

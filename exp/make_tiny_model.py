@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tasks import format_prompt, make_arith_dataset, problem_from_row, worked_solution  # noqa: E402
@@ -52,7 +52,7 @@ def encode_example(tok, question: str, solution: str) -> tuple[list[int], int]:
 
 
 def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds: float | None = None,
-        batch_size: int = 64, lr: float = 2e-3, mistake_rate: float = 0.5, seed: int = 0,
+        batch_size: int = 64, lr: float = 2e-3, mistake_rate: float = 0.6, mistakes: str = "systematic", seed: int = 0,
         warmup: int = 30, log_every: int = 50, opt: torch.optim.Optimizer | None = None,
         constant_lr: bool = False) -> int:
     """Supervised training on worked solutions (a fresh mistake draw per example per step).
@@ -66,7 +66,7 @@ def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds
     start, step = time.time(), 0
     while step < total and (seconds is None or time.time() - start < seconds):
         batch = [train_rows[rng.randrange(len(train_rows))] for _ in range(batch_size)]
-        seqs = [encode_example(tok, r["question"], worked_solution(problem_from_row(r), rng, mistake_rate))
+        seqs = [encode_example(tok, r["question"], worked_solution(problem_from_row(r), rng, mistake_rate, mistakes))
                 for r in batch]
         width = max(len(s) for s, _ in seqs)
         ids = torch.full((batch_size, width), tok.pad_token_id)
@@ -107,11 +107,34 @@ def greedy_accuracy(model, tok, rows: list[dict], batch_size: int = 128, max_new
     return correct / len(rows)
 
 
+@torch.no_grad()
+def pass_at_k(model, tok, rows: list[dict], k: int = 8, max_new_tokens: int = 40, seed: int = 0) -> tuple[float, float]:
+    """(pass@k, mean per-sample accuracy) with temperature-1 sampling: how capable the model is
+    beyond its greedy answer."""
+    from reward_math import score
+    torch.manual_seed(seed)
+    hits, samples = 0, 0.0
+    for i in range(0, len(rows), 32):
+        chunk = rows[i:i + 32]
+        enc = tok([format_prompt(r["question"]) for r in chunk], return_tensors="pt", padding=True)
+        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, num_return_sequences=k, pad_token_id=tok.pad_token_id,
+                             eos_token_id=tok.eos_token_id)
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        for j, r in enumerate(chunk):
+            right = [score(t, r["answer"]) for t in texts[j * k:(j + 1) * k]]
+            hits += max(right)
+            samples += sum(right) / k
+    return hits / len(rows), samples / len(rows)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="exp/tiny-model")
-    ap.add_argument("--steps", type=int, default=700)
-    ap.add_argument("--mistake-rate", type=float, default=0.5)
+    ap.add_argument("--basic-steps", type=int, default=500, help="stage 1: arithmetic with random slips")
+    ap.add_argument("--habit-steps", type=int, default=120, help="stage 2: systematic slips (capable, unsharp)")
+    ap.add_argument("--mistake-rate", type=float, default=0.6, help="stage 2 slip probability")
+    ap.add_argument("--from-stage1", default="", help="an HF dir saved after stage 1: skip stage 1")
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -123,21 +146,32 @@ def main() -> None:
 
     data = make_arith_dataset(num_train=20000, num_test=1000, seed=args.seed)
     train_rows, test_rows = list(data["train"]), list(data["test"])
-    rng = random.Random(args.seed)
-    corpus = [format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5) for r in train_rows]
-    tok = train_tokenizer(corpus, args.vocab_size)
-
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden, intermediate_size=args.hidden * 8 // 3 // 8 * 8,
-                         num_hidden_layers=args.layers, num_attention_heads=8, num_key_value_heads=4,
-                         max_position_embeddings=256, rope_theta=10000.0, tie_word_embeddings=False,
-                         bos_token_id=None, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(config)
-    n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tok)}", flush=True)
-
     t0 = time.time()
-    sft(model, tok, train_rows, steps=args.steps, mistake_rate=args.mistake_rate, seed=args.seed)
-    sft_seconds = time.time() - t0
+    if args.from_stage1:
+        tok = AutoTokenizer.from_pretrained(args.from_stage1)
+        model = AutoModelForCausalLM.from_pretrained(args.from_stage1, dtype=torch.float32)
+    else:
+        rng = random.Random(args.seed)
+        corpus = [format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5, "random")
+                  for r in train_rows]
+        tok = train_tokenizer(corpus, args.vocab_size)
+        config = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden,
+                             intermediate_size=args.hidden * 8 // 3 // 8 * 8, num_hidden_layers=args.layers,
+                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
+                             rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        model = LlamaForCausalLM(config)
+        print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {len(tok)}")
+        # Stage 1: learn the format and the arithmetic (random slips keep it from being too sure).
+        sft(model, tok, train_rows, steps=args.basic_steps, mistake_rate=0.5, mistakes="random", seed=args.seed)
+        model.to(torch.float16).to(torch.float32)     # what a saved stage-1 checkpoint would hold
+    stage1_seconds = time.time() - t0
+    # Stage 2: systematic habits — subtraction done as addition, forgotten carries — at rate 0.6:
+    # for those problems the most likely answer is wrong, while right answers keep a large share.
+    t1 = time.time()
+    sft(model, tok, train_rows, steps=args.habit_steps, lr=1e-3, warmup=10, mistake_rate=args.mistake_rate,
+        mistakes="systematic", seed=args.seed + 1)
+    stage2_seconds = time.time() - t1
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -145,9 +179,14 @@ def main() -> None:
     tok.save_pretrained(out)
     # Measure what users get: the saved checkpoint, loaded the standard way, in fp32.
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    acc = greedy_accuracy(loaded, tok, test_rows[:500])
-    info = {"params": n_params, "sft_steps": args.steps, "sft_seconds": round(sft_seconds, 1),
-            "mistake_rate": args.mistake_rate, "greedy_acc_test500": acc, "seed": args.seed}
+    p8, mean_sample = pass_at_k(loaded, tok, test_rows[:200])
+    info = {"params": sum(p.numel() for p in loaded.parameters()), "seed": args.seed,
+            "stage1": {"steps": args.basic_steps, "mistakes": "random", "mistake_rate": 0.5,
+                       "seconds": round(stage1_seconds, 1), "skipped_with": args.from_stage1 or None},
+            "stage2": {"steps": args.habit_steps, "mistakes": "systematic", "seconds": round(stage2_seconds, 1)},
+            "mistakes": "systematic", "mistake_rate": args.mistake_rate,
+            "greedy_acc_test500": greedy_accuracy(loaded, tok, test_rows[:500]),
+            "pass_at_8_test200": p8, "sample_acc_test200": mean_sample}
     (out / "warm_start.json").write_text(json.dumps(info, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(json.dumps(info), f"size {size:.1f} MB", flush=True)

@@ -50,7 +50,7 @@ def main() -> None:
     while trained < args.seconds - 1e-6:
         chunk = min(args.eval_every, args.seconds - trained)
         t0 = time.time()
-        step += sft(model, tok, train_rows, seconds=chunk, lr=args.lr, mistake_rate=warm["mistake_rate"],
+        step += sft(model, tok, train_rows, seconds=chunk, lr=args.lr, mistake_rate=warm["mistake_rate"], mistakes=warm.get("mistakes", "random"),
                     seed=warm["seed"] + 1 + len(curve), log_every=10**9, opt=opt, constant_lr=True)
         trained += time.time() - t0
         curve.append({"train_seconds": trained, "steps": step,
