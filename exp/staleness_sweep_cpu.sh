@@ -15,6 +15,11 @@ SWEEP="${SWEEP:-runs/staleness_sweep_cpu-$(date +%Y%m%d-%H%M%S)}"
 ETAS="${ETAS:-0 1 2 4 8}"
 STEPS="${STEPS:-12}"                      # optimizer steps per run
 SECONDS_PER_RUN="${SECONDS_PER_RUN:-60}"  # train.max_train_seconds: a run stops at whichever comes first
+# Rollout slots. A decode round of the tiny model costs about the same at 6 or 32 sequences, so the slot
+# count sets generation time per step: 6 slots (~130 rounds for 32 samples) take about as long as one
+# training step on one core, the balance where asynchrony pays most (up to 2x); 32 slots make the run
+# trainer-bound and η barely matters.
+ROLLOUT_BATCH="${ROLLOUT_BATCH:-6}"
 CORES="${CORES:-0 1}"                     # taskset core of local rank 0 (trainer) and local rank 1 (rollout)
 PYTHON="${PYTHON:-.venv/bin/python}"
 
@@ -42,7 +47,7 @@ for eta in $ETAS; do
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 --no-python exp/pin.sh train.py \
     model.path="$MODEL" plan.num_rollout=1 staleness.max_staleness="$eta" \
     train.total_steps="$STEPS" train.max_train_seconds="$SECONDS_PER_RUN" \
-    train.prompts_per_step=4 rollout.samples_per_prompt=8 rollout.max_batch_size=32 rollout.max_new_tokens=32 \
+    train.prompts_per_step=4 rollout.samples_per_prompt=8 rollout.max_batch_size="$ROLLOUT_BATCH" rollout.max_new_tokens=32 \
     rollout.max_queued_groups=64 data.num_test=32 logging.eval_every=0 logging.progress=false \
     logging.run_dir="$SWEEP" logging.run_name="eta$eta" "$@" > "$SWEEP/eta$eta.log" 2>&1 \
     || { echo "error: eta=$eta failed; last lines of $SWEEP/eta$eta.log:" >&2; tail -n 20 "$SWEEP/eta$eta.log" >&2; exit 1; }
