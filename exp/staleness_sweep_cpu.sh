@@ -13,6 +13,7 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 MODEL="${MODEL:-exp/tiny-model}"
 SWEEP="${SWEEP:-runs/staleness_sweep_cpu-$(date +%Y%m%d-%H%M%S)}"
 ETAS="${ETAS:-0 1 2 4 8}"
+REPEATS="${REPEATS:-1}"                   # >1: the η list is run that many times, interleaved (eta<k>_r<i>)
 STEPS="${STEPS:-12}"                      # optimizer steps per run
 SECONDS_PER_RUN="${SECONDS_PER_RUN:-60}"  # train.max_train_seconds: a run stops at whichever comes first
 # Rollout slots. A decode round of the tiny model costs about the same at 6 or 32 sequences, so the slot
@@ -41,16 +42,19 @@ export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-disabled
 export HEXRL_PIN_CORES="$CORES" HEXRL_PYTHON="$PYTHON"
 mkdir -p "$SWEEP"
 echo "sweep: $SWEEP  (etas: $ETAS; $STEPS steps or ${SECONDS_PER_RUN}s each; cores: trainer ${core_list[0]}, rollout ${core_list[1]})"
+for (( rep = 1; rep <= REPEATS; rep++ )); do
 for eta in $ETAS; do
-  echo "== eta=$eta"
+  name="eta$eta"; (( REPEATS > 1 )) && name="eta${eta}_r$rep"
+  echo "== $name"
   # rank 0 trains, rank 1 generates (plan.num_rollout=1 on a world of 2)
   "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node=2 --no-python exp/pin.sh train.py \
     model.path="$MODEL" plan.num_rollout=1 staleness.max_staleness="$eta" \
     train.total_steps="$STEPS" train.max_train_seconds="$SECONDS_PER_RUN" \
     train.prompts_per_step=4 rollout.samples_per_prompt=8 rollout.max_batch_size="$ROLLOUT_BATCH" rollout.max_new_tokens=32 \
     rollout.max_queued_groups=64 data.num_test=32 logging.eval_every=0 logging.progress=false \
-    logging.run_dir="$SWEEP" logging.run_name="eta$eta" "$@" > "$SWEEP/eta$eta.log" 2>&1 \
-    || { echo "error: eta=$eta failed; last lines of $SWEEP/eta$eta.log:" >&2; tail -n 20 "$SWEEP/eta$eta.log" >&2; exit 1; }
-  grep -h "eval @" "$SWEEP/eta$eta.log" || true
+    logging.run_dir="$SWEEP" logging.run_name="$name" "$@" > "$SWEEP/$name.log" 2>&1 \
+    || { echo "error: $name failed; last lines of $SWEEP/$name.log:" >&2; tail -n 20 "$SWEEP/$name.log" >&2; exit 1; }
+  grep -h "eval @" "$SWEEP/$name.log" || true
+done
 done
 "$PYTHON" exp/compare.py "$SWEEP" --group-by staleness.max_staleness
