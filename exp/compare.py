@@ -10,7 +10,8 @@ greedy held-out evaluations; runlog.py), config.yaml (the resolved config) and, 
 their history and the same config tree, so both sources become the same `Run` below.
 
 Table columns (steps after the first `--warmup` are the steady state; step 1 also pays the pipeline fill):
-  final/best acc   last / best greedy eval accuracy        tok/s, gen tok/s   Σ trained (generated) tokens / Σ step_s
+  final/best acc   last / best greedy eval accuracy        tok/s, gen tok/s   Σ trained (= response, loss-carrying)
+                                                           or generated tokens / Σ step_s
   step s           mean step time                          stale mean/max     token-level lag (versions) of trained tokens
   roll/train idle  idle fractions at the end of the run    sync s             mean weight sync seconds per step
 With --group-by, runs are grouped by that config key; "× first" is tok/s relative to the first group.

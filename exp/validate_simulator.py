@@ -4,15 +4,18 @@
 
 For every run directory whose plan.json came from schedule.py (it carries the planner's `inputs`):
 1. profile the run's components from its own metrics (what simulate.predict_from_measured takes):
-   - trainer seconds per trained token   = Σ train_s / Σ trained_tokens
+   - trainer seconds per sequence token  = Σ train_s / Σ (trained response tokens + B x prompt length)
    - rollout seconds per generated token  = busy time of one rollout replica / tokens it generated, where
      busy = (1 - rollout_idle_frac) x rollout lifetime - the start-up sync + eval (the step-0 eval time)
    - weight sync seconds                  = mean weight_sync_s
-   and the workload: prompts x samples per step, mean response length, mean prompt length, η;
+   and the workload: prompts x samples per step, mean response length, η, and the prompt length the plan
+   was made for (metrics count only response tokens, which carry the loss);
 2. run the discrete-event simulator with those costs: it composes them through the pipeline (admission
    under η, continuous batching, sync pauses with KV recompute, oldest-first batches) and predicts the
    steady-state step time and tokens/s, none of which it was given;
-3. compare with the measured steady state (steps after the first `warmup`, as the simulator counts them).
+3. compare with the measured steady state (steps after the first `warmup`, as the simulator counts them);
+   the simulator's tokens/s counts prompt + response tokens, so it is scaled by response / (prompt + response)
+   to compare with trained (response) tokens/s.
 The planner's uncalibrated prediction (exp/clusters/cpu.yaml constants) is printed alongside for reference.
 """
 from __future__ import annotations
@@ -42,12 +45,13 @@ def profile(run: compare.Run, plan: dict) -> dict:
     trained = sum(s["trained_tokens"] for s in steps)
     generated = sum(s["generated_tokens_per_s"] * s["step_s"] for s in steps)
     resp_mean = sum(s["response_len_mean"] for s in steps) / len(steps)
+    prompt_len = float(plan["inputs"]["workload"]["prompt_len"])
     startup = run.evals[0]["time"] if run.evals and run.evals[0]["step"] == 0 else 0.0
     lifetime = steps[-1]["elapsed_s"] + startup
     busy = max((1 - steps[-1]["rollout_idle_frac"]) * lifetime - startup, 1e-9)
     replicas = len(plan["rollout"]["replicas"])
-    return {"batch": B, "prompt_len": trained / (B * len(steps)) - resp_mean, "gen_mean": resp_mean,
-            "train_s_per_token": sum(s["train_s"] for s in steps) / trained,
+    return {"batch": B, "prompt_len": prompt_len, "gen_mean": resp_mean,
+            "train_s_per_token": sum(s["train_s"] for s in steps) / (trained + B * prompt_len * len(steps)),
             "decode_s_per_token": busy / (generated / replicas),
             "sync_s": sum(s["weight_sync_s"] for s in steps) / len(steps),
             "eta": compare.config_value(cfg, "staleness.max_staleness")}
@@ -69,13 +73,14 @@ def validate_run(run_dir: Path, warmup: int = 2, seed: int = 0) -> dict:
     res = simulate.simulate(plan, workload, steps=len(run.steps), seed=seed, warmup=warmup,
                             decode_s_per_token=p["decode_s_per_token"], train_s_per_token=p["train_s_per_token"],
                             sync_s=p["sync_s"])
+    predicted_tokens_per_s = res["tokens_per_s"] * p["gen_mean"] / (p["gen_mean"] + p["prompt_len"])
     t = plan["train"]
     return {"run": run.name, "layout": f"dp{t['dp']} tp{t['tp']} pp{t['pp']} + {len(plan['rollout']['replicas'])} rollout",
             "profile": p, "measured_step_s": measured["step_s"], "predicted_step_s": res["step_s"],
-            "measured_tokens_per_s": measured["tokens_per_s"], "predicted_tokens_per_s": res["tokens_per_s"],
+            "measured_tokens_per_s": measured["tokens_per_s"], "predicted_tokens_per_s": predicted_tokens_per_s,
             "planner_step_s": plan["predicted"]["step_s"],
             "measured_staleness_mean": measured["staleness_mean"], "predicted_staleness_mean": res["staleness"]["mean"],
-            "tokens_err": res["tokens_per_s"] / measured["tokens_per_s"] - 1,
+            "tokens_err": predicted_tokens_per_s / measured["tokens_per_s"] - 1,
             "step_err": res["step_s"] / measured["step_s"] - 1}
 
 
