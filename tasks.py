@@ -59,7 +59,7 @@ def worked_solution(p: Problem, rng: random.Random | None = None, mistake_rate: 
     """` a+b=m. m-c=r. \\boxed{r}`, possibly with a typical mistake.
 
     mistakes="systematic" (the warm start's): with probability `mistake_rate`, a subtraction in the first
-    step is done as an addition, and, independently, a carry/borrow in the last step is forgotten (±10).
+    step is done as an addition, and, independently, a carry/borrow in either step is forgotten (±10).
     Such slips are tied to features of the problem, so for those problems the *most likely* answer is
     wrong (greedy fails) while correct answers keep a large share (sampling succeeds) — capable but
     unsharp. mistakes="random": one slip (flipped first operation or an off-by-one last step) with
@@ -76,6 +76,8 @@ def worked_solution(p: Problem, rng: random.Random | None = None, mistake_rate: 
     if slip and op1 == "-":
         op1 = "+"
     mid = _apply(a, op1, b)
+    if rng is not None and _needs_carry(a, op1, b) and rng.random() < mistake_rate:
+        mid += -10 if op1 == "+" else 10
     end = _apply(mid, op2, c)
     if rng is not None and _needs_carry(mid, op2, c) and rng.random() < mistake_rate:
         end += -10 if op2 == "+" else 10

@@ -1,15 +1,19 @@
 """Build the shipped tiny model: tokenizer + Llama-architecture HF model + supervised warm start.
 
-    python exp/make_tiny_model.py --out exp/tiny-model          # ~5 min on 2 CPU cores
+    python exp/make_tiny_model.py --out exp/tiny-model                         # from scratch
+    python exp/make_tiny_model.py --from-stage1 <dir> --out exp/tiny-model     # redo stage 2 only
 
-Reproducible (fixed seeds, fixed step count). Steps:
+Reproducible (fixed seeds and step counts). Steps:
 1. train a byte-level BPE tokenizer with `tokenizers` on the task's text (digits split into single tokens);
-2. build a small LlamaConfig model (GQA, ~3M parameters);
-3. warm-start it by SFT on worked solutions of which `--mistake-rate` carry a typical mistake
-   (capable but unsharp: many samples right, the greedy answer often not);
-4. save an HF directory (fp16 safetensors + tokenizer files, < 10 MB) loadable by
-   AutoModelForCausalLM / AutoTokenizer, and print greedy held-out accuracy.
-`sft()` and `greedy_accuracy()` are reused by exp/sft_baseline.py.
+2. build a small LlamaConfig model (GQA, 3.1M parameters);
+3. stage 1 (500 SFT steps, lr 2e-3): worked solutions of which half carry a random slip — the model learns
+   the format and the arithmetic;
+4. stage 2 (70 SFT steps, lr 1e-3): worked solutions with *systematic* habits at rate 0.6 (a first-step
+   subtraction done as an addition; a forgotten carry or borrow) — capable but unsharp: on problems that
+   invite a habit the most likely answer is wrong, yet right answers keep a large share (high pass@8);
+5. save an HF directory (fp16 safetensors + tokenizer files, 6.2 MB) loadable by AutoModelForCausalLM /
+   AutoTokenizer, and record greedy accuracy, pass@8 and sample accuracy in warm_start.json.
+`sft()`, `greedy_accuracy()` and `pass_at_k()` are reused by exp/sft_baseline.py.
 """
 from __future__ import annotations
 
@@ -132,7 +136,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="exp/tiny-model")
     ap.add_argument("--basic-steps", type=int, default=500, help="stage 1: arithmetic with random slips")
-    ap.add_argument("--habit-steps", type=int, default=120, help="stage 2: systematic slips (capable, unsharp)")
+    ap.add_argument("--habit-steps", type=int, default=70, help="stage 2: systematic slips (capable, unsharp)")
     ap.add_argument("--mistake-rate", type=float, default=0.6, help="stage 2 slip probability")
     ap.add_argument("--from-stage1", default="", help="an HF dir saved after stage 1: skip stage 1")
     ap.add_argument("--vocab-size", type=int, default=512)

@@ -33,27 +33,10 @@ def default_plan(world_size: int, num_layers: int, num_rollout: int = 0) -> dict
     if not 1 <= n_roll < world_size:
         raise RankMapError(f"plan.num_rollout={num_rollout} leaves no rollout or no train rank "
                            f"in a world of {world_size}")
+    from parallel.groups import make_train_plan
+
     n_train = world_size - n_roll
-    return make_plan(world_size, list(range(n_train)), list(range(n_train, world_size)),
-                     dp=n_train, tp=1, pp=1, num_layers=num_layers)
-
-
-def make_plan(world_size: int, train_ranks: list[int], rollout_ranks: list[int], dp: int, tp: int, pp: int,
-              num_layers: int, stage_layers: list[list[int]] | None = None) -> dict:
-    stage_layers = stage_layers or split_layers(num_layers, pp)
-    ranks = [None] * world_size
-    for i, r in enumerate(sorted(train_ranks)):
-        p = i // (tp * dp)
-        ranks[r] = {"rank": r, "role": "train", "gpu_type": "cpu", "machine": 0, "dp": (i // tp) % dp,
-                    "tp": i % tp, "pp": p, "layers": stage_layers[p]}
-    for j, r in enumerate(sorted(rollout_ranks)):
-        ranks[r] = {"rank": r, "role": "rollout", "gpu_type": "cpu", "machine": 0, "replica": j}
-    stages = [{"pp": p, "gpu_type": "cpu", "layers": stage_layers[p],
-               "ranks": sorted(train_ranks)[p * dp * tp:(p + 1) * dp * tp]} for p in range(pp)]
-    return {"world_size": world_size, "ranks": ranks,
-            "rollout": {"replicas": [{"id": j, "gpu_type": "cpu", "tp": 1, "pp": 1, "ranks": [r],
-                                      "share": 1.0 / len(rollout_ranks)} for j, r in enumerate(sorted(rollout_ranks))]},
-            "train": {"dp": dp, "tp": tp, "pp": pp, "stages": stages}}
+    return make_train_plan(n_train, 1, 1, [(0, num_layers)], world_size=world_size)
 
 
 def load_plan(path: str) -> dict:

@@ -56,8 +56,8 @@ def test_config_errors_without_launcher():
 def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
     """Each: exactly one error line (rank 0), torchrun fails, no hexrl traceback, nothing written to a run dir."""
     bad_plan = tmp_path / "plan8.json"
-    from parallel.rankmap import make_plan
-    bad_plan.write_text(json.dumps(make_plan(8, [0, 1, 2, 3], [4, 5, 6, 7], 4, 1, 1, 2)))
+    from parallel.groups import make_train_plan
+    bad_plan.write_text(json.dumps(make_train_plan(4, 1, 1, [(0, 2)], world_size=8)))
     bad_rows = tmp_path / "rows.jsonl"
     rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(6)]
     rows[3] = {"question": "What is 3+1?"}                                  # the answer field is missing
