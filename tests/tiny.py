@@ -27,7 +27,7 @@ def build_tiny_model(path: Path, hidden: int = 64, layers: int = 2, seed: int = 
     tok = make_tiny_model.train_tokenizer(
         [format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5) for r in rows], 400)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=(len(tok) + 7) // 8 * 8,   # divisible by TP sizes hidden_size=hidden, intermediate_size=2 * hidden,
+    config = LlamaConfig(vocab_size=(len(tok) + 7) // 8 * 8, hidden_size=hidden, intermediate_size=2 * hidden,
                          num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                          max_position_embeddings=128, tie_word_embeddings=False,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
