@@ -27,7 +27,7 @@ torch.set_num_threads(1)
 
 def our_traceback(stderr: str) -> bool:
     """A traceback through hexrl's own files (torchrun's own ChildFailedError summary does not count)."""
-    return any(line.strip().startswith("File ") and str(ROOT) in line and ".venv" not in line
+    return any(line.strip().startswith("File ") and str(ROOT) in line and "site-packages" not in line
                for line in stderr.splitlines())
 
 
