@@ -77,7 +77,7 @@ class RunLog:
                 post["eval"] = f"{self.last_eval:.3f}"
             self.bar.set_postfix(post)
 
-    def eval(self, version: int, accuracy: float, n: int) -> None:
+    def eval_result(self, version: int, accuracy: float, n: int) -> None:
         self.last_eval = accuracy
         self._write({"step": version, "eval_accuracy": accuracy, "eval_n": n})
         msg = f"eval @ step {version}: greedy accuracy {accuracy:.3f} on {n} held-out problems"

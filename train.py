@@ -263,7 +263,7 @@ class TrainHead:
         ev = self.pending_eval[version]
         if ev["total"] == ev["expected"]:
             if ev["total"]:
-                self.log.eval(version, ev["correct"] / ev["total"], ev["total"])
+                self.log.eval_result(version, ev["correct"] / ev["total"], ev["total"])
             del self.pending_eval[version]
 
     def wait_evals(self) -> None:
