@@ -10,11 +10,15 @@ Parameters are named exactly like the HF model ("model.layers.3.mlp.up_proj.weig
 each is sliced from the HF tensor (dim 0, dim 1, or replicated), which is all gather/slicing code needs.
 
 Packed sequences: a micro-batch is one row of concatenated sequences; position ids restart at 0 for each
-sequence and attention uses a block-diagonal causal mask, so it is exactly a per-sequence forward.
+sequence and attention is causal within each sequence only, so it is exactly a per-sequence forward. Attention
+never builds the T x T block-diagonal mask (quadratic in the packed length: it cost a third of the CPU demo's
+train step): q/k/v are gathered into a right-padded [n_seqs, L_max] batch for SDPA's plain causal path (a valid
+query never sees a padded key under a causal mask), or handed to flash-attn's varlen kernel on GPU when installed.
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -22,6 +26,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+
+try:  # optional GPU kernel (requirements-gpu.txt); the padded SDPA path below is exact without it
+    from flash_attn import flash_attn_varlen_func
+except ImportError:
+    flash_attn_varlen_func = None
 
 # how each HF parameter is split across TP ranks: 0 = rows (column-parallel / vocab), 1 = columns (row-parallel)
 _ROW_SPLIT = ("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "q_proj.bias", "k_proj.weight",
@@ -145,7 +154,7 @@ class Attention(nn.Module):
         self.head_dim = hf_attn.head_dim
         self.scaling = hf_attn.scaling
 
-    def forward(self, x, cos, sin, mask, tp: TPContext):
+    def forward(self, x, cos, sin, packed: "PackedSeqs | None", tp: TPContext):
         b, t, _ = x.shape
         x = tp.copy(x)
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -154,11 +163,23 @@ class Attention(nn.Module):
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if self.kv_heads != self.heads:
-            k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
-            v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=self.scaling)
-        y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
+        flash_dtype = _flash_varlen_dtype(q) if packed is not None else None
+        if flash_dtype is not None:
+            q, k, v = (z[0].transpose(0, 1).to(flash_dtype) for z in (q, k, v))    # [T, heads, D]
+            y = flash_attn_varlen_func(q, k, v,
+                                       packed.cu_seqlens, packed.cu_seqlens, packed.max_len, packed.max_len,
+                                       causal=True, softmax_scale=self.scaling)   # GQA handled by the kernel
+            y = y.reshape(b, t, self.heads * self.head_dim)
+        else:
+            if self.kv_heads != self.heads:
+                k = k.repeat_interleave(self.heads // self.kv_heads, dim=1)
+                v = v.repeat_interleave(self.heads // self.kv_heads, dim=1)
+            if packed is None:
+                y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
+            else:
+                y = packed.unpad(F.scaled_dot_product_attention(packed.pad(q), packed.pad(k), packed.pad(v),
+                                                                is_causal=True, scale=self.scaling))
+            y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         # row-parallel: partial products summed over TP, then the (replicated) bias once
         out = tp.reduce(F.linear(y, self.o_proj.weight))
         return out if self.o_proj.bias is None else out + self.o_proj.bias
@@ -187,8 +208,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(shards["post_attention_layernorm.weight"], eps)
         self.mlp = MLP(hf_layer.mlp.act_fn, sub("mlp."))
 
-    def forward(self, h, cos, sin, mask, tp: TPContext):
-        h = h + self.self_attn(self.input_layernorm(h), cos, sin, mask, tp)
+    def forward(self, h, cos, sin, packed: "PackedSeqs | None", tp: TPContext):
+        h = h + self.self_attn(self.input_layernorm(h), cos, sin, packed, tp)
         return h + self.mlp(self.post_attention_layernorm(h), tp)
 
 
@@ -251,13 +272,13 @@ class DecoderStage(nn.Module):
         return self.model.embed_tokens.weight if self.lm_head_weight_name == "model.embed_tokens.weight" \
             else self.lm_head.weight
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        """x: token ids [B, T] on the first stage, hidden [B, T, H] elsewhere; mask: bool [B, 1, T, T], or None
-        for plain causal attention (one sequence)."""
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, packed: "PackedSeqs | None") -> torch.Tensor:
+        """x: token ids [B, T] on the first stage, hidden [B, T, H] elsewhere; packed: the sequences packed in
+        the single row (B = 1), or None for plain causal attention over each row."""
         h = self.model.embed_tokens(x, self.tp) if self.first else x
         cos, sin = self.rotary_emb(h, position_ids)
         for layer in self.model.layers.values():
-            h = layer(h, cos, sin, mask, self.tp)
+            h = layer(h, cos, sin, packed, self.tp)
         if not self.last:
             return h
         h = self.tp.copy(self.model.norm(h))
@@ -280,16 +301,48 @@ def check_model_supports_tp(cfg, tp: int) -> None:
             raise ValueError(f"tp={tp} must divide {what}={n}")
 
 
-def packed_attention_mask(seq_lens: list[int], device) -> torch.Tensor | None:
-    """bool [1, 1, T, T]: causal within each packed sequence, nothing across sequences.
-    None for a single sequence: attention then takes SDPA's plain causal path (flash kernels on GPU)."""
-    if len(seq_lens) == 1:
+@dataclass
+class PackedSeqs:
+    """Where the sequences of one packed row [1, T] lie, for per-sequence causal attention."""
+    seq_lens: list[int]
+    max_len: int
+    to_padded: torch.Tensor    # [n * max_len]: packed position of each right-padded slot (0 for padding)
+    to_packed: torch.Tensor    # [T]: padded slot of each packed position
+    cu_seqlens: torch.Tensor   # int32 [n + 1]: sequence starts, the layout flash-attn's varlen kernel takes
+
+    @classmethod
+    def build(cls, seq_lens: list[int], device) -> "PackedSeqs | None":
+        """None for a single sequence: attention then takes SDPA's plain causal path."""
+        if len(seq_lens) == 1:
+            return None
+        n, max_len = len(seq_lens), max(seq_lens)
+        lens = torch.tensor(seq_lens, device=device)
+        starts = torch.cumsum(lens, 0) - lens
+        offset = torch.arange(max_len, device=device)
+        inside = offset[None, :] < lens[:, None]                                  # [n, max_len]
+        to_padded = torch.where(inside, starts[:, None] + offset[None, :], torch.zeros_like(inside, dtype=torch.long))
+        to_packed = torch.nonzero(inside.reshape(-1)).squeeze(1)                 # row-major = packed order
+        cu = torch.cat([starts, lens.sum()[None]]).to(torch.int32)
+        return cls(list(seq_lens), max_len, to_padded.reshape(-1), to_packed, cu)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """[1, H, T, D] -> [n, H, max_len, D]"""
+        h, d = x.shape[1], x.shape[3]
+        return x[0].index_select(1, self.to_padded).view(h, len(self.seq_lens), self.max_len, d).transpose(0, 1)
+
+    def unpad(self, y: torch.Tensor) -> torch.Tensor:
+        """[n, H, max_len, D] -> [1, H, T, D] (padded query rows dropped)"""
+        h, d = y.shape[1], y.shape[3]
+        return y.transpose(0, 1).reshape(h, -1, d).index_select(1, self.to_packed)[None]
+
+
+def _flash_varlen_dtype(q: torch.Tensor) -> torch.dtype | None:
+    """the half dtype to run flash-attn's varlen kernel in, or None to use the padded SDPA path"""
+    if flash_attn_varlen_func is None or not q.is_cuda:
         return None
-    seg = torch.repeat_interleave(torch.arange(len(seq_lens), device=device),
-                                  torch.tensor(seq_lens, device=device))
-    t = seg.numel()
-    causal = torch.ones(t, t, dtype=torch.bool, device=device).tril()
-    return (causal & (seg[:, None] == seg[None, :]))[None, None]
+    if q.dtype in (torch.float16, torch.bfloat16):
+        return q.dtype
+    return torch.get_autocast_dtype("cuda") if torch.is_autocast_enabled("cuda") else None
 
 
 def packed_position_ids(seq_lens: list[int], device) -> torch.Tensor:

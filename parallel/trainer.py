@@ -22,7 +22,7 @@ import torch.distributed as dist
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
 from parallel.ppo import decoupled_ppo_terms, token_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
-from parallel.tensor_parallel import DecoderStage, packed_attention_mask, packed_position_ids
+from parallel.tensor_parallel import DecoderStage, PackedSeqs, packed_position_ids
 
 
 @dataclass
@@ -158,10 +158,10 @@ class Trainer:
         """first stage reads token ids; returns hidden (fp32, to travel) or, on the last stage, local logits"""
         inp = m.input_ids if self.groups.is_first_stage else x
         pos = packed_position_ids(m.seq_lens, self.device)
-        mask = packed_attention_mask(m.seq_lens, self.device)
+        packed = PackedSeqs.build(m.seq_lens, self.device)
         with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
                             enabled=self.autocast_dtype is not None):
-            out = self.stage(inp, pos, mask)
+            out = self.stage(inp, pos, packed)
         return out if self.groups.is_last_stage else out.float()
 
     def _logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
