@@ -4,8 +4,9 @@ One train_step(trajectories):
   1. split the global batch into `ppo_minibatches` contiguous minibatches; for each, split its sequences across
      DP ranks (greedy token balance) and pack each rank's share into micro-batches under `micro_batch_tokens`
      (AReaL dynamic batching) -- deterministic, so all stages and TP peers agree without talking;
-  2. decoupled PPO: recompute pi_prox with the current parameters for the whole batch (forward only, before any
-     update of this step), or use pi_behav (standard PPO);
+  2. decoupled PPO: pi_prox = the current parameters before any update of this step -- recomputed for the
+     whole batch (forward only) when there are several minibatches, read off the training forward when there
+     is one -- or pi_behav (standard PPO);
   3. per minibatch: 1F1B forward/backward (loss = token sum / global token count of the minibatch, so any split
      sums to the single-process loss), sum tied-embedding grads between first and last stage, bucketed DP
      all-reduce (SUM), clip by the global norm (each parameter counted once), AdamW step on fp32 master weights.
@@ -192,9 +193,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------
     # one minibatch: forward/backward, gradient synchronisation
 
-    def forward_backward(self, minibatch: Minibatch) -> torch.Tensor:
+    def forward_backward(self, minibatch: Minibatch, prox_from_forward: bool = False) -> torch.Tensor:
         """Accumulates this rank's gradients for the minibatch (after tied-embedding and DP reduction).
-        Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, w_max] (zeros off the last
+        prox_from_forward: pi_prox := the current parameters, read off this forward (detached). Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, w_max] (zeros off the last
         stage)."""
         for p in self.params.values():
             p.grad = torch.zeros_like(p)
@@ -207,7 +208,10 @@ class Trainer:
             if not self.groups.is_last_stage:
                 return out
             logp, entropy = self._logprobs(out, m.targets)
-            prox = m.prox_logp if m.prox_logp is not None else m.behav_logp
+            if prox_from_forward:
+                prox = logp.detach()
+            else:
+                prox = m.prox_logp if m.prox_logp is not None else m.behav_logp
             t = decoupled_ppo_terms(logp, prox, m.behav_logp, m.advantages, m.loss_mask, self.cfg.clip_eps,
                                     self.cfg.behav_imp_weight_cap)
             loss = t["pg"].sum() / n_global
@@ -285,13 +289,16 @@ class Trainer:
         for j, mb in enumerate(minibatches):
             if mb.num_valid_tokens == 0:
                 raise ValueError(f"train_step: minibatch {j} has no response tokens to train on")
-        if cfg.recompute_prox_logprobs:
+        # pi_prox = the parameters before this step's first update: with one minibatch that is exactly the
+        # training forward's own log-probs (detached), so the separate recompute pass (~1/4 of a step) is skipped
+        prox_from_forward = cfg.recompute_prox_logprobs and k == 1
+        if cfg.recompute_prox_logprobs and not prox_from_forward:
             self._recompute_prox(minibatches)
 
         totals = torch.zeros(7, dtype=torch.float64, device=self.device)
         grad_norms = []
         for mb in minibatches:
-            stats = self.forward_backward(mb)
+            stats = self.forward_backward(mb, prox_from_forward)
             norm = self.global_grad_norm()
             grad_norms.append(norm.item())
             if cfg.grad_clip is not None:
@@ -339,9 +346,7 @@ class Trainer:
         takes no optimizer step; returns the loss (same on all ranks). For tests and diagnostics."""
         _check_trajectories(trajectories, self.hf_config.vocab_size)
         mb = self._minibatch(trajectories)
-        if self.cfg.recompute_prox_logprobs:
-            self._recompute_prox([mb])
-        return self._reduce_stats(self.forward_backward(mb))[0][0]
+        return self._reduce_stats(self.forward_backward(mb, self.cfg.recompute_prox_logprobs))[0][0]
 
     # ------------------------------------------------------------------------------------------------------------
     # weights out: full HF state dict on the train head; checkpoints
