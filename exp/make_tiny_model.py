@@ -1,17 +1,20 @@
 """Build the shipped tiny model: tokenizer + Llama-architecture HF model + supervised warm start.
 
     python exp/make_tiny_model.py --out exp/tiny-model                         # from scratch
-    python exp/make_tiny_model.py --from-stage1 <dir> --out exp/tiny-model     # redo stage 2 only
+    python exp/make_tiny_model.py --from-stage1 <dir> --out exp/tiny-model     # redo stages 1b and 2 only
 
 Reproducible (fixed seeds and step counts). Steps:
 1. train a byte-level BPE tokenizer with `tokenizers` on the task's text (digits split into single tokens);
 2. build a small LlamaConfig model (GQA, 3.1M parameters);
-3. stage 1 (500 SFT steps, lr 2e-3): worked solutions of which half carry a random slip — the model learns
-   the format and the arithmetic;
-4. stage 2 (70 SFT steps, lr 1e-3): worked solutions with *systematic* habits at rate 0.6 (a first-step
+3. stage 1 (500 SFT steps, lr 2e-3 cosine): worked solutions of which half carry a random slip — the model
+   learns the format and the arithmetic (68.6% greedy);
+4. stage 1b (800 SFT steps, constant lr 1e-3, fresh AdamW, 8 chunks of 100 with seeds 100..107): correct
+   solutions only — the model becomes *capable* (86% greedy). RL can only sharpen what is there: with the
+   68.6% model, RL reached 57% in the demo's 5 minutes; from this one it reaches 95%;
+5. stage 2 (70 SFT steps, lr 1e-3): worked solutions with *systematic* habits at rate 0.6 (a first-step
    subtraction done as an addition; a forgotten carry or borrow) — capable but unsharp: on problems that
    invite a habit the most likely answer is wrong, yet right answers keep a large share (high pass@8);
-5. save an HF directory (fp16 safetensors + tokenizer files, 6.2 MB) loadable by AutoModelForCausalLM /
+6. save an HF directory (fp16 safetensors + tokenizer files, 6.2 MB) loadable by AutoModelForCausalLM /
    AutoTokenizer, and record greedy accuracy, pass@8 and sample accuracy in warm_start.json.
 `sft()`, `greedy_accuracy()` and `pass_at_k()` are reused by exp/sft_baseline.py.
 """
@@ -136,6 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="exp/tiny-model")
     ap.add_argument("--basic-steps", type=int, default=500, help="stage 1: arithmetic with random slips")
+    ap.add_argument("--capable-steps", type=int, default=800, help="stage 1b: correct solutions only")
     ap.add_argument("--habit-steps", type=int, default=70, help="stage 2: systematic slips (capable, unsharp)")
     ap.add_argument("--mistake-rate", type=float, default=0.6, help="stage 2 slip probability")
     ap.add_argument("--from-stage1", default="", help="an HF dir saved after stage 1: skip stage 1")
@@ -170,6 +174,14 @@ def main() -> None:
         sft(model, tok, train_rows, steps=args.basic_steps, mistake_rate=0.5, mistakes="random", seed=args.seed)
         model.to(torch.float16).to(torch.float32)     # what a saved stage-1 checkpoint would hold
     stage1_seconds = time.time() - t0
+    # Stage 1b: correct solutions only, so the arithmetic itself is reliable (capable).
+    t1 = time.time()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
+    for chunk in range(args.capable_steps // 100):
+        sft(model, tok, train_rows, steps=100, lr=1e-3, mistake_rate=0.0, mistakes="random", seed=100 + chunk,
+            opt=opt, constant_lr=True)
+    model.to(torch.float16).to(torch.float32)
+    stage1b_seconds = time.time() - t1
     # Stage 2: systematic habits — subtraction done as addition, forgotten carries — at rate 0.6:
     # for those problems the most likely answer is wrong, while right answers keep a large share.
     t1 = time.time()
@@ -187,6 +199,8 @@ def main() -> None:
     info = {"params": sum(p.numel() for p in loaded.parameters()), "seed": args.seed,
             "stage1": {"steps": args.basic_steps, "mistakes": "random", "mistake_rate": 0.5,
                        "seconds": round(stage1_seconds, 1), "skipped_with": args.from_stage1 or None},
+            "stage1b": {"steps": args.capable_steps // 100 * 100, "mistakes": "none", "lr": 1e-3,
+                        "seconds": round(stage1b_seconds, 1)},
             "stage2": {"steps": args.habit_steps, "mistakes": "systematic", "seconds": round(stage2_seconds, 1)},
             "mistakes": "systematic", "mistake_rate": args.mistake_rate,
             "greedy_acc_test500": greedy_accuracy(loaded, tok, test_rows[:500]),
