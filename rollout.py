@@ -87,6 +87,7 @@ class GeneratorStats:
     decode_steps: int = 0
     prefill_tokens: int = 0      # tokens whose K/V were (re)computed by prefill, recompute included
     recompute_tokens: int = 0    # the part of prefill_tokens caused by weight updates
+    prefill_tokens_shared: int = 0   # prompt tokens whose K/V were copied from a slot with the same prompt
     generated_tokens: int = 0
     weight_updates: int = 0
     prefill_seconds: float = 0.0
@@ -107,6 +108,7 @@ class _Request:
     versions: list[int] = field(default_factory=list)
     slot: int = -1
     needs_prefill: bool = True
+    cache_version: int = -1     # the weights its prompt's K/V in the cache were computed with
 
     @property
     def all_tokens(self) -> list[int]:
@@ -262,8 +264,28 @@ class Generator:
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def _prefill(self, reqs: list[_Request]) -> None:
-        """Write K/V of tokens[:-1] of each request into its slot, in right-padded batches."""
+        """Write K/V of tokens[:-1] of each request into its slot, in right-padded batches.
+
+        The samples of a GRPO group share their prompt: a fresh request whose prompt is already in the
+        cache -- another slot's, computed with the current weights, or one computed in this call -- gets
+        those K/V copied instead of recomputed (prefill is most of the work for short answers)."""
         reqs = [r for r in reqs if len(r.all_tokens) > 1]
+        for r in reqs:
+            r.cache_version = self.version
+        resident = {tuple(r.prompt_ids): r.slot for r in self.slots
+                    if r is not None and not r.needs_prefill and r.cache_version == self.version}
+        copies: list[tuple[_Request, int]] = []      # (request, slot holding its prompt), after compute
+        computed: dict[tuple, _Request] = {}
+        compute: list[_Request] = []
+        for r in reqs:
+            key = tuple(r.prompt_ids)
+            if r.token_ids or key not in resident and key not in computed:
+                compute.append(r)
+                if not r.token_ids:
+                    computed[key] = r
+            else:
+                copies.append((r, resident[key] if key in resident else computed[key].slot))
+        reqs = compute
         reqs.sort(key=lambda r: len(r.all_tokens))
         while reqs:   # greedy chunks, padded size (count x longest) within the prefill token budget
             n = 1
@@ -271,6 +293,12 @@ class Generator:
                 n += 1
             self._prefill_chunk(reqs[:n])
             reqs = reqs[n:]
+        for r, src in copies:
+            n = len(r.prompt_ids) - 1
+            for k_layer, v_layer in zip(self.k_cache, self.v_cache):
+                k_layer[r.slot, :, :n] = k_layer[src, :, :n]
+                v_layer[r.slot, :, :n] = v_layer[src, :, :n]
+            self.stats.prefill_tokens_shared += n
 
     def _prefill_chunk(self, reqs: list[_Request]) -> None:
         seqs = [r.all_tokens[:-1] for r in reqs]

@@ -9,8 +9,8 @@ Reproducible (fixed seeds and step counts). Steps:
 3. stage 1 (500 SFT steps, lr 2e-3 cosine): worked solutions of which half carry a random slip — the model
    learns the format and the arithmetic (68.6% greedy);
 4. stage 1b (800 SFT steps, constant lr 1e-3, fresh AdamW, 8 chunks of 100 with seeds 100..107): correct
-   solutions only — the model becomes *capable* (86% greedy). RL can only sharpen what is there: with the
-   68.6% model, RL reached 57% in the demo's 5 minutes; from this one it reaches 95%;
+   solutions only — the model becomes *capable* (85% greedy). RL can only sharpen what is there: without
+   this stage RL reached 55-57% in the demo's 5 minutes; with it, 95%;
 5. stage 2 (70 SFT steps, lr 1e-3): worked solutions with *systematic* habits at rate 0.6 (a first-step
    subtraction done as an addition; a forgotten carry or borrow) — capable but unsharp: on problems that
    invite a habit the most likely answer is wrong, yet right answers keep a large share (high pass@8);

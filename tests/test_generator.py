@@ -192,6 +192,49 @@ def test_counter_uniform_is_a_pure_function_in_range():
 
 # ----------------------------------------------------------------------------- weight updates
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_grpo_groups_share_the_prompt_cache_exactly(kind):
+    """4 samples per prompt with fewer slots than requests: the prompt's K/V is computed once per group (in the
+    same prefill or copied from a resident slot at a refill), and every log-prob still equals a full forward."""
+    model = make_model(kind, seed=12)
+    group = 4
+    prompts = [p for p in PROMPTS[:4] if len(p) > 1 for _ in range(group)]
+    gen = Generator(model, max_batch_size=6, max_seq_len=40)
+    outs = gen.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=6, seed=3))
+    assert gen.stats.prefill_tokens_shared > 0
+    unique_prompt_tokens = sum(len(p) - 1 for p in prompts[::group])
+    assert gen.stats.prefill_tokens < sum(len(p) - 1 for p in prompts)
+    assert gen.stats.prefill_tokens + gen.stats.prefill_tokens_shared == sum(len(p) - 1 for p in prompts)
+    assert gen.stats.prefill_tokens >= unique_prompt_tokens
+    for prompt, out in zip(prompts, outs):
+        ref = full_forward_logprobs(model, prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, ref)) < 1e-4
+    # and the tokens are those of generating each request alone (same seed)
+    alone = Generator(model, max_batch_size=1, max_seq_len=40)
+    for i in (0, 5, len(prompts) - 1):
+        solo = alone.generate([prompts[i]], SamplingParams(temperature=1.0, max_new_tokens=6, seed=3 + i))[0]
+        assert solo.token_ids == outs[i].token_ids
+
+
+def test_keep_mode_never_shares_a_stale_prompt_cache():
+    """After a swap in keep mode a resident slot's prompt K/V are the old weights': a new request with the same
+    prompt must compute its own, so all its tokens are exactly the new policy's."""
+    model = make_model("llama", seed=13)
+    new_weights = perturbed_state_dict(model, seed=14)
+    gen = Generator(model, max_batch_size=2, max_seq_len=40, interrupt_mode="keep")
+    gen.add_request("old", PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=12))
+    gen.step()
+    gen.update_weights(new_weights, version=1)
+    gen.add_request("new", PROMPTS[2], SamplingParams(temperature=0, max_new_tokens=4))
+    outs = {o.request_id: o for _ in range(12) for o in gen.step()}
+    assert gen.stats.prefill_tokens_shared == 0
+    new = make_model("llama", seed=13)
+    new.load_state_dict(new_weights)
+    ref = full_forward_logprobs(new, PROMPTS[2], outs["new"].token_ids)
+    assert outs["new"].versions == [1] * 4
+    assert max(abs(a - b) for a, b in zip(outs["new"].logprobs, ref)) < 1e-4
+
+
 def perturbed_state_dict(model, seed):
     torch.manual_seed(seed)
     return {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
