@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import secrets
 import time
 from pathlib import Path
 
@@ -49,7 +50,9 @@ class RunLog:
         mode = os.environ.get("WANDB_MODE", cfg.logging.wandb)
         if mode != "disabled":
             import wandb
-            self.wandb_id = wandb_id or wandb.util.generate_id()
+            # our own id (wandb.util.generate_id is gone in wandb 0.31), kept in checkpoints so a resume continues
+            # the same W&B run
+            self.wandb_id = wandb_id or secrets.token_hex(4)
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=run_dir.name, dir=str(run_dir),
                                     mode=mode, config=to_dict(cfg), id=self.wandb_id, resume="allow")
         else:
