@@ -117,7 +117,8 @@ class RolloutWorker:
 
     def counters(self) -> dict:
         return {"elapsed_s": time.monotonic() - self.t_start, "idle_s": self.idle_s, "reward_s": self.reward_s,
-                "generated_tokens": self.generated_tokens, "version": self.gen.version}
+                "generated_tokens": self.generated_tokens, "version": self.gen.version,
+                "prefill_s": self.gen.stats.prefill_seconds, "prefill_tokens": self.gen.stats.prefill_tokens}
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:

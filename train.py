@@ -373,6 +373,8 @@ class TrainHead:
                          rollout_idle_frac=sum(roll_idle) / max(len(roll_idle), 1),
                          trainer_idle_frac=self.idle_s / max(now - t_start, 1e-9),
                          reward_s=sum(c.get("reward_s", 0.0) for c in self.counters.values()),
+                         rollout_prefill_s=sum(c.get("prefill_s", 0.0) for c in self.counters.values()),
+                         rollout_prefill_tokens=sum(c.get("prefill_tokens", 0) for c in self.counters.values()),
                          elapsed_s=now - t_start)
             last_counters["gen"] = gen_tokens
             self.log.step(stats)

@@ -63,9 +63,11 @@ def _inputs(plan: dict, workload: cm.Workload | dict | None, eta: int | None):
 
 
 def build_replicas(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec, wl: cm.Workload, eff: cm.Efficiency,
-                   decode_s_per_token: float | None = None) -> list[Replica]:
+                   decode_s_per_token: float | None = None,
+                   prefill_s_per_token: float | None = None) -> list[Replica]:
     """Per-replica round-time curves from the cost model; a measured decode time per generated token
-    (replica time / tokens at its full batch) rescales each curve to match the measurement."""
+    (replica time / tokens at its full batch) rescales each curve to match the measurement, and a measured
+    prefill time per prompt/recomputed token replaces the cost model's."""
     out = []
     for rep in plan["rollout"]["replicas"]:
         gpu, te = cluster.gpu(rep["gpu_type"]), eff.of(rep["gpu_type"])
@@ -75,7 +77,8 @@ def build_replicas(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec, wl: cm.
         if decode_s_per_token is not None:
             scale = decode_s_per_token * rep["batch"] / curve[rep["batch"]]
             curve = [c * scale for c in curve]
-        prefill = 2 * model.params / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer)
+        prefill = prefill_s_per_token if prefill_s_per_token is not None else \
+            2 * model.params / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer)
         out.append(Replica(rep["batch"], curve, prefill))
     if not out:
         raise ValueError("plan has no rollout replicas")
@@ -84,13 +87,13 @@ def build_replicas(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec, wl: cm.
 
 def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int = 20, eta: int | None = None,
              seed: int = 0, decode_s_per_token: float | None = None, train_s_per_token: float | None = None,
-             sync_s: float | None = None, warmup: int = 2) -> dict:
+             sync_s: float | None = None, warmup: int = 2, prefill_s_per_token: float | None = None) -> dict:
     """Run `steps` trainer steps; report mean step time, tokens/s, idle fractions and staleness."""
     if steps < warmup + 1:
         raise ValueError(f"steps must exceed warmup ({warmup}), got {steps}")
     cluster, model, wl, eff = _inputs(plan, workload, eta)
     rng = random.Random(seed)
-    replicas = build_replicas(plan, cluster, model, wl, eff, decode_s_per_token)
+    replicas = build_replicas(plan, cluster, model, wl, eff, decode_s_per_token, prefill_s_per_token)
     B = wl.batch
     mean_tokens = wl.prompt_len + wl.gen_mean
     train_per_token = train_s_per_token if train_s_per_token is not None else \
@@ -116,7 +119,9 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
             sid = len(seqs)
             seqs.append(Seq(version, wl.prompt_len, float(rng.choice(wl.gen_samples))))
             heapq.heappush(rep.running, (rep.progress + seqs[sid].gen, sid))
-            rep.paused_until = max(rep.paused_until, now) + seqs[sid].prompt * rep.prefill_s_per_token
+            # the samples of a group share their prompt's K/V: the generator prefills it once
+            if admitted % wl.samples_per_prompt == 0:
+                rep.paused_until = max(rep.paused_until, now) + seqs[sid].prompt * rep.prefill_s_per_token
             admitted += 1
 
     admit()

@@ -7,6 +7,8 @@ For every run directory whose plan.json came from schedule.py (it carries the pl
    - trainer seconds per sequence token  = Σ train_s / Σ (trained response tokens + B x prompt length)
    - rollout seconds per generated token  = busy time of one rollout replica / tokens it generated, where
      busy = (1 - rollout_idle_frac) x rollout lifetime - the start-up sync + eval (the step-0 eval time)
+   - rollout seconds per prefilled token  = the generators' own prefill timer / prefilled tokens (prompts and
+     KV recompute after weight swaps), taken out of the busy time above
    - weight sync seconds                  = mean weight_sync_s
    and the workload: prompts x samples per step, mean response length, η, and the prompt length the plan
    was made for (metrics count only response tokens, which carry the loss);
@@ -50,9 +52,17 @@ def profile(run: compare.Run, plan: dict) -> dict:
     lifetime = steps[-1]["elapsed_s"] + startup
     busy = max((1 - steps[-1]["rollout_idle_frac"]) * lifetime - startup, 1e-9)
     replicas = len(plan["rollout"]["replicas"])
+    # prefill (prompts, shared prompts excluded, and KV recompute after weight swaps) is timed by the generator
+    # itself: the simulator charges it separately, so it leaves the per-generated-token cost
+    prefill_s = steps[-1].get("rollout_prefill_s")
+    prefill_tokens = steps[-1].get("rollout_prefill_tokens")
+    prefill_s_per_token = prefill_s / prefill_tokens if prefill_s is not None and prefill_tokens else None
+    if prefill_s_per_token is not None:
+        busy = max(busy - prefill_s / replicas, 1e-9)
     return {"batch": B, "prompt_len": prompt_len, "gen_mean": resp_mean,
             "train_s_per_token": sum(s["train_s"] for s in steps) / (trained + B * prompt_len * len(steps)),
             "decode_s_per_token": busy / (generated / replicas),
+            "prefill_s_per_token": prefill_s_per_token,
             "sync_s": sum(s["weight_sync_s"] for s in steps) / len(steps),
             "eta": compare.config_value(cfg, "staleness.max_staleness")}
 
@@ -72,7 +82,7 @@ def validate_run(run_dir: Path, warmup: int = 2, seed: int = 0) -> dict:
                 "prompt_len": p["prompt_len"], "gen_samples": [p["gen_mean"]], "eta": p["eta"]}
     res = simulate.simulate(plan, workload, steps=len(run.steps), seed=seed, warmup=warmup,
                             decode_s_per_token=p["decode_s_per_token"], train_s_per_token=p["train_s_per_token"],
-                            sync_s=p["sync_s"])
+                            sync_s=p["sync_s"], prefill_s_per_token=p["prefill_s_per_token"])
     predicted_tokens_per_s = res["tokens_per_s"] * p["gen_mean"] / (p["gen_mean"] + p["prompt_len"])
     t = plan["train"]
     return {"run": run.name, "layout": f"dp{t['dp']} tp{t['tp']} pp{t['pp']} + {len(plan['rollout']['replicas'])} rollout",
