@@ -49,6 +49,10 @@ class RolloutWorker:
         self.channel.send(self.head, kind, **payload)
         self.last_sent = time.monotonic()
 
+    def heartbeat(self) -> None:
+        if time.monotonic() - self.last_sent > self.heartbeat_s:
+            self.send("alive", counters=self.counters())
+
     def prompt_ids(self, split: str, prompt_id: int) -> list[int]:
         key = (split, prompt_id)
         if key not in self.encoded:
@@ -78,6 +82,7 @@ class RolloutWorker:
         p = self.cfg.plan
         state_dict = receive_weights(msg, self.head, self.device, p.verify_weights)
         self.gen.update_weights(state_dict, msg["version"])
+        self.send("weights_ok", version=msg["version"])    # the head may now reuse the send buffers
 
     @torch.no_grad()
     def on_eval(self, msg: dict) -> None:
@@ -88,7 +93,14 @@ class RolloutWorker:
         ids = msg["prompt_ids"]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
                                 stop_token_ids=[self.tok.eos_token_id])
-        outs = self.eval_gen.generate([self.prompt_ids("test", i) for i in ids], greedy)
+        # streamed rather than generate(): a long eval share must not look like a stuck rank
+        for j, i in enumerate(ids):
+            self.eval_gen.add_request(j, self.prompt_ids("test", i), greedy)
+        done = {}
+        while self.eval_gen.num_unfinished():
+            done.update((o.request_id, o) for o in self.eval_gen.step())
+            self.heartbeat()
+        outs = [done[j] for j in range(len(ids))]
         correct = [int(score(self.tok.decode(o.token_ids, skip_special_tokens=True),
                              self.rows["test"][i]["answer"]) > 0) for i, o in zip(ids, outs)]
         self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""),
@@ -141,5 +153,4 @@ class RolloutWorker:
             if self.gen.num_unfinished():
                 for out in self.gen.step():
                     self.on_finished(out)
-            if time.monotonic() - self.last_sent > self.heartbeat_s:
-                self.send("alive", counters=self.counters())
+            self.heartbeat()

@@ -156,6 +156,7 @@ class TrainHead:
         self.order = self._epoch_order(self.data_epoch)
         self.outstanding = {r: 0 for r in self.rollout_ranks}   # groups granted and not finished, per rank
         self.counters = {r: {} for r in self.rollout_ranks}     # latest counters reported by each rollout rank
+        self.weights_taken = {r: -1 for r in self.rollout_ranks}  # last weight version each rank acknowledged
         self.pending_eval: dict[int, dict] = {}                  # version -> {correct, total, expected, owed}
         self.evaluated: set[int] = set()
         self.idle_s = 0.0
@@ -212,6 +213,8 @@ class TrainHead:
             ev["total"] += len(msg["correct"])
             ev["owed"][src] -= len(msg["correct"])
             self._finish_eval(msg["version"])
+        elif kind == "weights_ok":
+            self.weights_taken[src] = max(self.weights_taken[src], msg["version"])
         elif kind in ("bye", "alive"):
             self.counters[src] = msg["counters"]
 
@@ -275,14 +278,26 @@ class TrainHead:
             self.in_collective = True
             self.state_dict = self.trainer.gather_full_state_dict()
             self.in_collective = False
-        try:
-            return self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version,
-                                    self.device, self.cfg.plan.rollout_timeout_s)
-        except PeerTimeout as e:                  # the previous version never left for these ranks
-            for rank in e.ranks:
-                self.drop_rollout_rank(rank, "did not receive weights in time")
-            return self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version,
-                                    self.device, self.cfg.plan.rollout_timeout_s)
+        t0 = time.perf_counter()
+        self.await_weight_receipts(self.cfg.plan.rollout_timeout_s)
+        return time.perf_counter() - t0 + self.sender.send(self.channel, self.rollout_ranks, self.state_dict,
+                                                           self.buffer.version, self.device,
+                                                           self.cfg.plan.rollout_timeout_s)
+
+    def await_weight_receipts(self, timeout_s: float) -> None:
+        """Every rank the previous version went to acknowledges it over the channel, or is dropped: never a
+        timed-out wait on a gloo send, which would close the whole process group."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            late = [r for r in self.sender.receivers_in_flight()
+                    if r in self.rollout_ranks and self.weights_taken[r] < self.sender.in_flight_version]
+            if not late:
+                return
+            if time.monotonic() > deadline:
+                for rank in late:
+                    self.drop_rollout_rank(rank, "did not receive weights in time")
+                return
+            self.pump(timeout_s=0.05)
 
     # -- one optimizer step -----------------------------------------------------------------------
     def train_on(self, batch: list) -> tuple[dict, bool]:
@@ -403,6 +418,11 @@ class TrainHead:
             for src, msg in self.channel.poll(timeout_s=0.5):
                 if msg["kind"] in ("result", "eval_result", "bye", "alive") and src in self.counters:
                     self.counters[src] = msg.get("counters", self.counters[src])
+                elif msg["kind"] == "weights_ok" and src in self.weights_taken:
+                    self.weights_taken[src] = max(self.weights_taken[src], msg["version"])
+        for rank in [r for r in self.sender.receivers_in_flight()
+                     if self.weights_taken.get(r, -1) < self.sender.in_flight_version]:
+            self.sender.forget(rank)              # it never took the last version: do not wait on gloo for it
         self.sender.wait(self.cfg.plan.timeout_s)
 
     def abort(self, reason: str) -> None:

@@ -64,7 +64,12 @@ class WeightSender:
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.verify = verify
         self.in_flight: list[tuple] = []
+        self.in_flight_version = -1
         self.abandoned: list[tuple] = []          # sends to dropped ranks: gloo may still read these buffers
+
+    def receivers_in_flight(self) -> set[int]:
+        """Ranks the last version was sent to and whose sends have not been waited for."""
+        return {dst for dst, _, _ in self.in_flight}
 
     def send(self, channel, dst_ranks: list[int], state_dict: dict[str, torch.Tensor], version: int,
              device: torch.device, wait_timeout_s: float | None = None) -> float:
@@ -75,6 +80,7 @@ class WeightSender:
         metas = []
         for meta, flat in buckets:
             metas.append({**meta, "checksum": checksum(flat) if self.verify else None})
+        self.in_flight_version = version
         for dst in dst_ranks:
             channel.send(dst, "weights", version=version, buckets=metas)
             for _, flat in buckets:
@@ -83,7 +89,10 @@ class WeightSender:
 
     def wait(self, timeout_s: float) -> None:
         """The previous version's buckets must have left before their memory is reused. Raises PeerTimeout
-        naming every rank that did not take them in time (their sends are then abandoned)."""
+        naming every rank that did not take them in time (their sends are then abandoned).
+        With gloo a timed-out wait closes every pair of the process group ("Application timeout caused pair
+        closure"), so the train head first waits for the receivers' `weights_ok` over the channel and drops
+        a rank that never answers (`forget`); this wait then only finds completed sends."""
         late: list[int] = []
         for (dst, work, _) in self.in_flight:
             if dst in late:
