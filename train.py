@@ -214,7 +214,7 @@ class TrainHead:
             ev["owed"][src] -= len(msg["correct"])
             self._finish_eval(msg["version"])
         elif kind == "weights_ok":
-            self.weights_taken[src] = max(self.weights_taken[src], msg["version"])
+            self.note_weights_taken(src, msg["version"])
         elif kind in ("bye", "alive"):
             self.counters[src] = msg["counters"]
 
@@ -280,17 +280,25 @@ class TrainHead:
             self.in_collective = False
         t0 = time.perf_counter()
         self.await_weight_receipts(self.cfg.plan.rollout_timeout_s)
-        return time.perf_counter() - t0 + self.sender.send(self.channel, self.rollout_ranks, self.state_dict,
-                                                           self.buffer.version, self.device,
-                                                           self.cfg.plan.rollout_timeout_s)
+        self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version, self.device,
+                         self.cfg.plan.rollout_timeout_s)
+        return time.perf_counter() - t0
+
+    def note_weights_taken(self, rank: int, version: int) -> None:
+        if rank in self.weights_taken:
+            self.weights_taken[rank] = max(self.weights_taken[rank], version)
+
+    def weights_not_taken(self) -> list[int]:
+        """Ranks the last version was sent to that have not acknowledged it."""
+        return [r for r in self.sender.receivers_in_flight()
+                if self.weights_taken.get(r, -1) < self.sender.in_flight_version]
 
     def await_weight_receipts(self, timeout_s: float) -> None:
         """Every rank the previous version went to acknowledges it over the channel, or is dropped: never a
         timed-out wait on a gloo send, which would close the whole process group."""
         deadline = time.monotonic() + timeout_s
         while True:
-            late = [r for r in self.sender.receivers_in_flight()
-                    if r in self.rollout_ranks and self.weights_taken[r] < self.sender.in_flight_version]
+            late = [r for r in self.weights_not_taken() if r in self.rollout_ranks]
             if not late:
                 return
             if time.monotonic() > deadline:
@@ -418,10 +426,9 @@ class TrainHead:
             for src, msg in self.channel.poll(timeout_s=0.5):
                 if msg["kind"] in ("result", "eval_result", "bye", "alive") and src in self.counters:
                     self.counters[src] = msg.get("counters", self.counters[src])
-                elif msg["kind"] == "weights_ok" and src in self.weights_taken:
-                    self.weights_taken[src] = max(self.weights_taken[src], msg["version"])
-        for rank in [r for r in self.sender.receivers_in_flight()
-                     if self.weights_taken.get(r, -1) < self.sender.in_flight_version]:
+                elif msg["kind"] == "weights_ok":
+                    self.note_weights_taken(src, msg["version"])
+        for rank in self.weights_not_taken():
             self.sender.forget(rank)              # it never took the last version: do not wait on gloo for it
         self.sender.wait(self.cfg.plan.timeout_s)
 

@@ -195,7 +195,8 @@ class Trainer:
 
     def forward_backward(self, minibatch: Minibatch, prox_from_forward: bool = False) -> torch.Tensor:
         """Accumulates this rank's gradients for the minibatch (after tied-embedding and DP reduction).
-        prox_from_forward: pi_prox := the current parameters, read off this forward (detached). Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, w_max] (zeros off the last
+        prox_from_forward: pi_prox := the current parameters, read off this forward (detached).
+        Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, w_max] (zeros off the last
         stage)."""
         for p in self.params.values():
             p.grad = torch.zeros_like(p)
