@@ -282,6 +282,7 @@ class TrainHead:
         self.await_weight_receipts(self.cfg.plan.rollout_timeout_s)
         self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version, self.device,
                          self.cfg.plan.rollout_timeout_s)
+        self.buffer.weights_sent(self.buffer.version)   # only now may groups be admitted at this version
         return time.perf_counter() - t0
 
     def note_weights_taken(self, rank: int, version: int) -> None:
