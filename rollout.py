@@ -46,6 +46,7 @@ except ImportError:  # pragma: no cover - not installed on CPU machines
     flash_attn_with_kvcache = None
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
+LM_HEAD_BLOCK = 1024   # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
 
 
 # ----------------------------------------------------------------------------- public data types
@@ -193,8 +194,39 @@ def _layer_windows(config, n_layers: int) -> list[int | None]:
     return [window] * n_layers
 
 
+def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
+    The layers' parameters become row views of it, so whatever writes them (update_weights, load_state_dict,
+    another Generator on the same model) writes the fused matrix too, and no memory is duplicated."""
+    def rows_of(fused):
+        row = 0
+        for lin in linears:
+            yield lin, slice(row, row + lin.out_features)
+            row += lin.out_features
+
+    fused = getattr(linears[0], "_fused_rows", None)   # a Generator built on this model before
+    if fused is not None and all(
+            lin.weight.data_ptr() == fused[0][rows].data_ptr() and
+            (lin.bias is None or lin.bias.data_ptr() == fused[1][rows].data_ptr()) for lin, rows in rows_of(fused)):
+        return fused
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
+                          for lin in linears])
+    for lin, rows in rows_of((weight, bias)):
+        lin.weight.data = weight[rows]
+        if lin.bias is not None:
+            lin.bias.data = bias[rows]
+    linears[0]._fused_rows = (weight, bias)
+    return weight, bias
+
+
 class Generator:
-    """Continuous-batching generator; see the module docstring for the protocol and conventions."""
+    """Continuous-batching generator; see the module docstring for the protocol and conventions.
+
+    It fuses each layer's q/k/v and gate/up projections (their parameters become views of the fused
+    matrices): move the model to its device and dtype before building the Generator, not after."""
 
     def __init__(self, model, max_batch_size: int = 32, max_seq_len: int = 1024, version: int = 0,
                  interrupt_mode: str = "recompute", compile_decode: bool = False,
@@ -227,6 +259,9 @@ class Generator:
         self.max_prefill_tokens = max_prefill_tokens
         self.interrupt_mode, self.use_flash_attn = interrupt_mode, use_flash_attn
         self.version = version
+        self.qkv = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
+        self.gate_up = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        self.qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
 
         # The cache: per layer [slots, kv_heads, max_seq_len, head_dim], owned by us.
         shape = (max_batch_size, self.n_kv_heads, max_seq_len, self.head_dim)
@@ -247,21 +282,21 @@ class Generator:
 
     # ------------------------------------------------------------------ the transformer, our way
 
-    def _qkv(self, layer, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-        a = layer.self_attn
+    def _qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        a = self.layers[i].self_attn
         b, n = h.shape[:2]
-        q = a.q_proj(h).view(b, n, -1, self.head_dim)
-        k = a.k_proj(h).view(b, n, -1, self.head_dim)
-        v = a.v_proj(h).view(b, n, -1, self.head_dim)
+        q, k, v = (t.view(b, n, -1, self.head_dim) for t in F.linear(h, *self.qkv[i]).split(self.qkv_sizes, -1))
         if hasattr(a, "q_norm"):   # Qwen3: per-head RMSNorm on q and k before RoPE
             q, k = a.q_norm(q), a.k_norm(k)
         q, k = _apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
         return q, k, v.transpose(1, 2)    # [B, heads, L, D]
 
-    def _finish_layer(self, layer, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+    def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        layer = self.layers[i]
         b, _, n, _ = attn_out.shape
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, n, -1))
-        return x + layer.mlp(layer.post_attention_layernorm(x))
+        gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Write K/V of tokens[:-1] of each request into its slot, in right-padded batches.
@@ -313,7 +348,7 @@ class Generator:
         cos, sin = self.rotary(x, positions)
         masks = {}   # right padding needs no key mask: a real query never looks past itself
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)
             self.k_cache[i][slots, :, :length] = k.to(self.dtype)
             self.v_cache[i][slots, :, :length] = v.to(self.dtype)
             if i == len(self.layers) - 1:
@@ -328,7 +363,7 @@ class Generator:
                     masks[window] = (kpos <= qpos) & (kpos > qpos - window)
                 out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[window], scale=self.scale,
                                                      enable_gqa=True)
-            x = self._finish_layer(layer, x, out)
+            x = self._finish_layer(i, x, out)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
 
     def _decode_forward_eager(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
@@ -346,7 +381,7 @@ class Generator:
         masks = {None: causal.view(b, 1, 1, span)}
         group = self.n_heads // self.n_kv_heads
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(layer, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)
             window = self.windows[i]
             if self.use_flash_attn:
                 # our own write first, then flash reads [0, positions] of each slot in place
@@ -361,13 +396,26 @@ class Generator:
                 self.v_cache[i][rows, :, positions] = v[:, :, 0].to(self.dtype)
                 if window not in masks:
                     masks[window] = (causal & (kpos > positions.unsqueeze(1) - window)).view(b, 1, 1, span)
-                # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows
+                # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
+                # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
                 qg = q.reshape(b, self.n_kv_heads, group, self.head_dim)
-                out = F.scaled_dot_product_attention(
-                    qg, self.k_cache[i][:b, :, :span], self.v_cache[i][:b, :, :span],
-                    attn_mask=masks[window], scale=self.scale).reshape(b, self.n_heads, 1, self.head_dim)
-            x = self._finish_layer(layer, x, out.to(x.dtype))
-        return self.lm_head(self.norm(x))[:, 0].float()
+                scores = torch.matmul(qg, self.k_cache[i][:b, :, :span].transpose(-1, -2)).float() * self.scale
+                probs = scores.masked_fill_(~masks[window], float("-inf")).softmax(-1).to(self.dtype)
+                out = torch.matmul(probs, self.v_cache[i][:b, :, :span]).reshape(b, self.n_heads, 1, self.head_dim)
+            x = self._finish_layer(i, x, out.to(x.dtype))
+        return self._logits(self.norm(x)[:, 0])
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:
+        """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows: as one
+        [B, H] x [H, V] GEMM it ran at half the speed (V = 16384, MKL, 1 thread: 28 ms vs 14 ms in blocks of
+        1024). On GPU it is one GEMM."""
+        w, b = self.lm_head.weight, self.lm_head.bias
+        if self.device.type != "cpu" or w.shape[0] <= 4 * LM_HEAD_BLOCK:
+            return F.linear(h, w, b).float()
+        out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)
+        for i in range(0, w.shape[0], LM_HEAD_BLOCK):
+            torch.matmul(h, w[i:i + LM_HEAD_BLOCK].t(), out=out[:, i:i + LM_HEAD_BLOCK])
+        return (out if b is None else out + b).float()
 
     # ------------------------------------------------------------------ streaming API
 

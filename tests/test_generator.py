@@ -271,6 +271,26 @@ def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
             assert abs(lp - (ref_old[j] if j < first_new else ref_new[j])) < 1e-4
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_fused_projections_follow_every_write_to_the_model(kind):
+    """q/k/v and gate/up run as one GEMM each over matrices the model's parameters are views of: a second
+    Generator on the same model, update_weights through either, and load_state_dict all reach them."""
+    model = make_model(kind, seed=13)
+    first = Generator(model, max_batch_size=2, max_seq_len=40)
+    second = Generator(model, max_batch_size=2, max_seq_len=40)        # e.g. the rollout rank's eval generator
+    params = SamplingParams(temperature=0, max_new_tokens=8)
+    for weights, write in [(perturbed_state_dict(model, seed=14), lambda w: first.update_weights(w, version=1)),
+                           (perturbed_state_dict(model, seed=15), lambda w: model.load_state_dict(w))]:
+        write(weights)
+        ref = make_model(kind, seed=13)
+        ref.load_state_dict(weights)
+        for gen in (first, second):
+            outs = gen.generate(PROMPTS[:3], params)
+            for prompt, out in zip(PROMPTS[:3], outs):
+                assert out.token_ids == hf_greedy(ref, prompt, 8)
+                assert max(abs(a - b) for a, b in zip(out.logprobs, full_forward_logprobs(ref, prompt, out.token_ids))) < 1e-4
+
+
 def test_keep_mode_reuses_the_stale_cache():
     model = make_model("llama", seed=8)
     new_weights = perturbed_state_dict(model, seed=9)
