@@ -409,7 +409,7 @@ class Generator:
         """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows: as one
         [B, H] x [H, V] GEMM it ran at half the speed (V = 16384, MKL, 1 thread: 28 ms vs 14 ms in blocks of
         1024). On GPU it is one GEMM."""
-        w, b = self.lm_head.weight, self.lm_head.bias
+        w, b = self.lm_head.weight.detach(), self.lm_head.bias
         if self.device.type != "cpu" or w.shape[0] <= 4 * LM_HEAD_BLOCK:
             return F.linear(h, w, b).float()
         out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)

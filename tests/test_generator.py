@@ -291,6 +291,19 @@ def test_fused_projections_follow_every_write_to_the_model(kind):
                 assert max(abs(a - b) for a, b in zip(out.logprobs, full_forward_logprobs(ref, prompt, out.token_ids))) < 1e-4
 
 
+def test_blocked_lm_head_equals_one_gemm():
+    """On CPU a vocabulary above 4 blocks goes through the LM head block by block: same logits."""
+    from rollout import LM_HEAD_BLOCK
+    torch.manual_seed(16)
+    config = LlamaConfig(**{**COMMON, "vocab_size": 4 * LM_HEAD_BLOCK + 333})
+    model = LlamaForCausalLM(config).eval()
+    gen = Generator(model, max_batch_size=2, max_seq_len=16)
+    h = torch.randn(5, COMMON["hidden_size"])
+    assert torch.allclose(gen._logits(h), model.lm_head(h).float(), atol=1e-5, rtol=0)
+    out = gen.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=4))[0]
+    assert out.token_ids == hf_greedy(model, PROMPTS[0], 4)
+
+
 def test_keep_mode_reuses_the_stale_cache():
     model = make_model("llama", seed=8)
     new_weights = perturbed_state_dict(model, seed=9)
