@@ -180,9 +180,13 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
 
 
-def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
-    return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
+    return x * cos + _rotate_half(x) * sin
+
+
+def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    return _rope(q, cos, sin), _rope(k, cos, sin)
 
 
 def _layer_windows(config, n_layers: int) -> list[int | None]:
@@ -282,14 +286,19 @@ class Generator:
 
     # ------------------------------------------------------------------ the transformer, our way
 
-    def _qkv(self, i: int, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+    def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """Input norm, one fused q/k/v GEMM, RoPE; returns q, k, v as [B, heads, L, D]."""
         a = self.layers[i].self_attn
-        b, n = h.shape[:2]
-        q, k, v = (t.view(b, n, -1, self.head_dim) for t in F.linear(h, *self.qkv[i]).split(self.qkv_sizes, -1))
+        b, n = x.shape[:2]
+        qkv = F.linear(self.layers[i].input_layernorm(x), *self.qkv[i])
+        nq, nk, _ = self.qkv_sizes
+        v = qkv[..., nq + nk:].view(b, n, -1, self.head_dim).transpose(1, 2)
         if hasattr(a, "q_norm"):   # Qwen3: per-head RMSNorm on q and k before RoPE
-            q, k = a.q_norm(q), a.k_norm(k)
-        q, k = _apply_rope(q.transpose(1, 2), k.transpose(1, 2), cos, sin)
-        return q, k, v.transpose(1, 2)    # [B, heads, L, D]
+            q, k = (t.view(b, n, -1, self.head_dim) for t in qkv[..., :nq + nk].split([nq, nk], -1))
+            return *_apply_rope(a.q_norm(q).transpose(1, 2), a.k_norm(k).transpose(1, 2), cos, sin), v
+        # q and k are adjacent in the fused output: rotate them as one tensor
+        qk = _rope(qkv[..., :nq + nk].view(b, n, -1, self.head_dim).transpose(1, 2), cos, sin)
+        return qk[:, :self.n_heads], qk[:, self.n_heads:], v
 
     def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
@@ -348,7 +357,7 @@ class Generator:
         cos, sin = self.rotary(x, positions)
         masks = {}   # right padding needs no key mask: a real query never looks past itself
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(i, x, cos, sin)
             self.k_cache[i][slots, :, :length] = k.to(self.dtype)
             self.v_cache[i][slots, :, :length] = v.to(self.dtype)
             if i == len(self.layers) - 1:
@@ -378,10 +387,10 @@ class Generator:
         cos, sin = self.rotary(x, positions.unsqueeze(1))
         kpos = torch.arange(span, device=self.device).unsqueeze(0)
         causal = kpos <= positions.unsqueeze(1)                  # [B, span]
-        masks = {None: causal.view(b, 1, 1, span)}
+        masks: dict[int | None, torch.Tensor] = {}               # window -> additive mask [B * kv_heads, 1, span]
         group = self.n_heads // self.n_kv_heads
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, layer.input_layernorm(x), cos, sin)
+            q, k, v = self._qkv(i, x, cos, sin)
             window = self.windows[i]
             if self.use_flash_attn:
                 # our own write first, then flash reads [0, positions] of each slot in place
@@ -395,13 +404,17 @@ class Generator:
                 self.k_cache[i][rows, :, positions] = k[:, :, 0].to(self.dtype)
                 self.v_cache[i][rows, :, positions] = v[:, :, 0].to(self.dtype)
                 if window not in masks:
-                    masks[window] = (causal & (kpos > positions.unsqueeze(1) - window)).view(b, 1, 1, span)
+                    keep = causal if window is None else causal & (kpos > positions.unsqueeze(1) - window)
+                    masks[window] = torch.zeros(b, self.n_kv_heads, 1, span, dtype=q.dtype, device=self.device) \
+                        .masked_fill_(~keep.view(b, 1, 1, span), float("-inf")).view(-1, 1, span)
                 # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
                 # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
-                qg = q.reshape(b, self.n_kv_heads, group, self.head_dim)
-                scores = torch.matmul(qg, self.k_cache[i][:b, :, :span].transpose(-1, -2)).float() * self.scale
-                probs = scores.masked_fill_(~masks[window], float("-inf")).softmax(-1).to(self.dtype)
-                out = torch.matmul(probs, self.v_cache[i][:b, :, :span]).reshape(b, self.n_heads, 1, self.head_dim)
+                qg = q.reshape(b * self.n_kv_heads, group, self.head_dim)
+                keys = self.k_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
+                values = self.v_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
+                scores = torch.baddbmm(masks[window], qg, keys.transpose(1, 2), alpha=self.scale)
+                probs = scores.float().softmax(-1).to(self.dtype)
+                out = torch.bmm(probs, values).view(b, self.n_heads, 1, self.head_dim)
             x = self._finish_layer(i, x, out.to(x.dtype))
         return self._logits(self.norm(x)[:, 0])
 
