@@ -12,13 +12,11 @@ import json
 import math
 import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from tiny import ENV, ROOT
 
@@ -140,14 +138,6 @@ def test_resume_refuses_other_config_and_incomplete_checkpoints(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- non-finite steps
-@pytest.fixture(scope="module")
-def world_of_one():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
-
-
 def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     from dist_parallel_worker import make_trajectories, tiny_model
 

@@ -18,7 +18,6 @@ import sys
 import time
 from pathlib import Path
 
-import pytest
 
 from tiny import ENV, ROOT
 
@@ -180,3 +179,86 @@ def test_stuck_rollout_rank_is_dropped_and_named(tmp_path, tiny_model_dir):
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
     assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", 3)], events
     check_run(run, 1, "SIGSTOP rank 3")
+
+
+class RecordingChannel:
+    """The head's control channel, in process: records what is sent, nobody answers."""
+
+    def __init__(self, peers):
+        self.peers, self.closed, self.sent = peers, set(), []
+
+    def send(self, dst, kind, **payload):
+        self.sent.append((dst, kind, payload))
+
+    def poll(self, timeout_s=0.0, peers=None):
+        time.sleep(min(timeout_s, 0.01))
+        return []
+
+    def silent_peers(self, seconds):
+        return []
+
+
+class RecordingSender:
+    """WeightSender's interface: version 0 is in flight to every rollout rank until `send` is called again."""
+
+    def __init__(self, channel, ranks):
+        self.channel, self.in_flight_version, self.receivers = channel, 0, set(ranks)
+
+    def receivers_in_flight(self):
+        return set(self.receivers)
+
+    def send(self, channel, dst_ranks, state_dict, version, device, wait_timeout_s=None):
+        for dst in dst_ranks:
+            self.channel.send(dst, "weights", version=version)
+        self.in_flight_version, self.receivers = version, set(dst_ranks)
+
+    def forget(self, rank):
+        self.receivers.discard(rank)
+
+
+def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(world_of_one, tmp_path):
+    """The CI failure of session 2, deterministically: the head has taken batch 1 (version 0 -> 1) and waits for
+    every rank to acknowledge version 0's weights before sending version 1's. Rank 2 never does, so it is dropped
+    during that wait and its groups are re-queued -- but no group may be granted before version 1's weights are
+    out, or rank 1 would generate version-1 groups with version-0 weights (staleness v - 2 > eta = 1)."""
+    import types
+
+    import torch
+
+    from buffer import Trajectory
+    from checkpoint import CheckpointWriter
+    from config import load_config
+    from runlog import RunLog
+    from train import TrainHead
+
+    cfg = load_config(["train.prompts_per_step=2", "rollout.samples_per_prompt=1", "staleness.max_staleness=1",
+                       "plan.rollout_timeout_s=0.3", "logging.progress=false", "logging.wandb=disabled"])
+    groups = types.SimpleNamespace(rollout_ranks=[1, 2], train_ranks=[0], train_group=None)
+    channel = RecordingChannel([1, 2])
+    head = TrainHead(cfg, groups, None, [{"prompt_id": i} for i in range(20)], [], RunLog(cfg, tmp_path, {}),
+                     torch.device("cpu"), channel, CheckpointWriter(tmp_path, 2, None, None))
+    head.sender, head.state_dict = RecordingSender(channel, [1, 2]), {}
+    head.buffer.weights_sent(0)
+    head.grant()                                              # (0 + eta + 1) * B = 4 groups, 2 per rank
+    assert sorted(t.rank for t in head.buffer.in_flight.values()) == [1, 1, 2, 2]
+    for ticket in [t for t in head.buffer.in_flight.values() if t.rank == 1]:
+        head.handle(1, {"kind": "result", "group_id": ticket.group_id, "counters": {}, "trajectories": [
+            Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id).to_dict()]})
+    head.weights_taken[1] = 0                                 # rank 1 acknowledged version 0; rank 2 is stuck
+    head.buffer.take()                                        # version 1
+    sent_before = len(channel.sent)
+
+    head.sync_weights(changed=False)
+    head.grant()                                              # what run() does next
+
+    after = channel.sent[sent_before:]
+    kinds = [(dst, kind) for dst, kind, _ in after]
+    assert (2, "abort") in kinds and head.rollout_ranks == [1]
+    first_weights = kinds.index((1, "weights"))
+    assert after[first_weights][2]["version"] == 1
+    grants = [i for i, (dst, kind) in enumerate(kinds) if kind == "grant"]
+    assert grants and all(i > first_weights for i in grants), kinds
+    # rank 2's two groups went back to rank 1, re-admitted at version 1 (with version 1's weights on their way),
+    # and capacity (1 + eta + 1) * B - 2 admitted = 4 filled up with two new groups
+    in_flight = head.buffer.in_flight.values()
+    assert sorted(t.group_id for t in in_flight) == [1, 3, 4, 5] and {(t.rank, t.admit_version) for t in in_flight} == {(1, 1)}

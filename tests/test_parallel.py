@@ -5,11 +5,9 @@ import random
 import re
 import subprocess
 import sys
-import tempfile
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from parallel.groups import PlanError, build_groups, make_train_plan, validate_plan
 from parallel.packing import balanced_partition, dynamic_microbatches
@@ -104,14 +102,6 @@ def test_plan_roundtrip_and_errors():
 
 # ----------------------------------------------------------------------------------------------------------------
 # single rank (world of 1): bf16 path, bad trajectories, checkpoint round trip
-
-@pytest.fixture(scope="module")
-def world_of_one():
-    with tempfile.TemporaryDirectory() as d:
-        dist.init_process_group("gloo", init_method=f"file://{d}/init", rank=0, world_size=1)
-        yield
-        dist.destroy_process_group()
-
 
 def test_single_rank_trainer(world_of_one):
     from dist_parallel_worker import make_trajectories, reference, tiny_model
