@@ -106,8 +106,13 @@ def check_run(run: Path, eta: int, note: str) -> None:
 def kill_at(args: list[str], run: Path, prefix: Path, step: int, rank: int, note: str) -> int:
     """Launch (resume=auto), SIGKILL `rank` once `step` steps are logged; returns the steps logged at death."""
     proc = launch(args, prefix)
+    # the previous launch's lines count only once this one has cut the logs back (it prints the run directory
+    # after that); before, an old metrics.jsonl can already hold `step` lines while no worker exists yet
+    out = Path(f"{prefix}.out")
+    wait_until(lambda: "hexrl run directory:" in out.read_text(), proc, 180, f"launch {prefix.name} ({note})")
     wait_until(lambda: len(step_lines(run)) >= step, proc, 180, f"step {step} ({note})")
-    os.kill(worker_pids(proc.pid)[rank], signal.SIGKILL)
+    pid = wait_until(lambda: worker_pids(proc.pid).get(rank), proc, 30, f"rank {rank}'s process ({note})")
+    os.kill(pid, signal.SIGKILL)
     assert finish(proc) != 0, note
     return len(step_lines(run))
 
