@@ -5,11 +5,8 @@ The reward decides what the policy learns, so this file is careful about three f
   * false positives on partial matches   -> we extract ONE final answer (last \\boxed{}, `#### N`, "the answer is")
                                             and compare it whole, never substring-search the response;
   * hangs on pathological LaTeX          -> hard caps on lengths/nesting before any parsing, and math-verify runs
-                                            in a worker process that is killed when it exceeds its time bound.
-
-math-verify's own timeouts use SIGALRM, which only works on the main thread of the main interpreter, so we call it
-with its timeouts disabled and enforce the bound ourselves by killing the worker process (a fresh interpreter via
-subprocess: it never forks a parent holding CUDA/NCCL state, nor re-imports the caller's __main__).
+                                            in a worker process that is killed when it exceeds its time bound
+                                            (verify_worker.py: math-verify's own SIGALRM timeouts fail in threads).
 
 Plain numbers (`18`, `-3`, `1,450,000`, `\\$18.90`, `10\\%`, `.5`) never reach math-verify: they are compared exactly
 as rationals in-process. That fast path covers GSM8K and our synthetic arithmetic task and keeps throughput high.
@@ -19,19 +16,19 @@ pass_at_k, avg_at_k, warm_up.
 """
 from __future__ import annotations
 
-import logging
-import json
-import os
 import re
 import select
-import subprocess
-import sys
 import threading
 import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 from fractions import Fraction
 from typing import Hashable, Sequence
+
+from verify_worker import VerifierProcess
+from verify_worker import verify_unbounded as _verify_unbounded  # noqa: F401 (the reference in tests)
+from verify_worker import verify_with_timeout as _verify_with_timeout
+from verify_worker import warm_up  # noqa: F401 (public API)
 
 REASONS = ("correct", "wrong", "no_answer", "timeout", "parse_error")
 
@@ -187,7 +184,7 @@ def _numbers_equal(a: _Number, b: _Number) -> bool:
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# math-verify, in-process (no timeout: only ever call this inside a killable worker).
+# caps before any parsing
 
 def _brace_depth(s: str) -> int:
     """Deepest {} nesting, or -1 if the braces do not balance (we wrap answers in \\boxed{...} for parsing,
@@ -202,172 +199,6 @@ def _brace_depth(s: str) -> int:
             if depth < 0:
                 return -1
     return deepest if depth == 0 else -1
-
-
-def _verify_unbounded(answer: str, gold: str) -> str:
-    """'correct' / 'wrong' / 'parse_error' from math-verify. May run forever on pathological input."""
-    from math_verify import parse, verify
-    try:
-        gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
-        answer_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
-        if not gold_parsed or not answer_parsed:
-            return "parse_error"
-        return "correct" if verify(gold_parsed, answer_parsed, timeout_seconds=None) else "wrong"
-    except Exception:  # sympy raises a zoo of exception types on malformed input
-        return "parse_error"
-
-
-def _silence_math_verify_logs() -> None:
-    # math-verify warns on every call that its timeout is disabled; we enforce the bound by killing the worker.
-    for name in ("math_verify", "math_verify.parser", "math_verify.grader", "latex2sympy2_extended"):
-        logging.getLogger(name).setLevel(logging.ERROR)
-
-
-_WARMUP_PAIRS = (("(x+1)^2", "x^2+2x+1"), ("[0,1)", "(0,1)"), ("\\dfrac{3}{4}", "0.75"), ("10\\%", "0.1"),
-                 ("\\{1,2\\}", "\\{2,1\\}"), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"), ("\\text{B}", "B"), ("x=5", "5"))
-
-
-def _worker_main(memory_budget_bytes: int) -> None:
-    """Worker process: import once, say ready, then answer JSON lines [answer, gold] -> reason until stdin closes.
-
-    Runs in a fresh interpreter (subprocess, not multiprocessing): it never re-imports the caller's __main__
-    (a training script with torch/CUDA), and it is safe to start from any thread of a CUDA/NCCL process."""
-    protocol = os.fdopen(os.dup(1), "w", buffering=1)  # private channel; stray prints from libraries go to stderr
-    os.dup2(2, 1)
-    try:  # die with the parent, even while stuck inside sympy
-        import ctypes
-        import signal
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    _silence_math_verify_logs()
-    import math_verify  # noqa: F401  (import cost paid before 'ready', not inside a timed job)
-    try:  # cap address space so a huge sympy integer (10^{10^{10}}) fails with MemoryError instead of OOMing
-        import resource
-        with open("/proc/self/statm") as f:
-            current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        resource.setrlimit(resource.RLIMIT_AS, (current + memory_budget_bytes, resource.RLIM_INFINITY))
-    except (OSError, ValueError, ImportError):
-        pass
-    for answer, gold in _WARMUP_PAIRS:  # sympy imports simplify/sets lazily: pay that before 'ready', not in a job
-        _verify_unbounded(answer, gold)
-    protocol.write("ready\n")
-    for line in sys.stdin:
-        try:
-            answer, gold = json.loads(line)
-            reason = _verify_unbounded(answer, gold)
-        except MemoryError:
-            reason = "parse_error"
-        protocol.write(reason + "\n")
-
-
-class _VerifierProcess:
-    """One killable math-verify worker. States: starting -> ready (idle) <-> busy; killed on timeout."""
-
-    def __init__(self, memory_budget_bytes: int = 2 << 30):
-        code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                f"import reward_math; reward_math._worker_main({int(memory_budget_bytes)})")
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, bufsize=1, close_fds=True)
-        self.ready = False
-        self.dead = False
-        self.job: tuple | None = None  # (key, answer, gold, started_at) while busy
-
-    def _readable(self, wait_s: float) -> bool:
-        return bool(select.select([self.process.stdout], [], [], wait_s)[0])
-
-    def poll_ready(self) -> bool:
-        if not self.ready and self._readable(0):
-            msg = self.recv()
-            if msg != "ready":
-                raise RuntimeError(f"reward worker failed during startup (exit code {self.process.poll()}); "
-                                   "check that math-verify imports in a fresh interpreter")
-            self.ready = True
-        return self.ready
-
-    def wait_ready(self, startup_timeout_s: float = 120.0) -> None:
-        deadline = time.monotonic() + startup_timeout_s
-        while not self.poll_ready():
-            if time.monotonic() > deadline:
-                self.kill()
-                raise RuntimeError(f"reward worker did not start within {startup_timeout_s:.0f}s")
-            self._readable(0.05)
-
-    def send(self, answer: str, gold: str) -> None:
-        self.process.stdin.write(json.dumps([answer, gold]) + "\n")
-        self.process.stdin.flush()
-
-    def has_result(self, wait_s: float = 0.0) -> bool:
-        return self._readable(wait_s)
-
-    def recv(self) -> str:
-        line = self.process.stdout.readline()  # one short line, written whole: never blocks once readable
-        if not line:  # EOF: the worker died (crash, OOM kill); the job that killed it scores parse_error
-            self.dead = True
-            return "parse_error"
-        line = line.strip()
-        return line if line in REASONS or line == "ready" else "parse_error"
-
-    def kill(self) -> None:
-        self.process.kill()
-        self.process.wait(timeout=5)
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        for pipe in (self.process.stdin, self.process.stdout):
-            try:
-                pipe.close()
-            except OSError:
-                pass
-
-    def close(self) -> None:
-        try:
-            self.process.stdin.close()  # EOF ends the worker's loop
-            self.process.wait(timeout=1)
-        except (OSError, subprocess.TimeoutExpired):
-            self.process.kill()
-            self.process.wait(timeout=5)
-        self._close_pipes()
-
-
-_shared_verifier: _VerifierProcess | None = None
-_shared_pid: int | None = None
-_shared_lock = threading.Lock()
-
-
-def _verify_with_timeout(answer: str, gold: str, timeout_s: float) -> str:
-    """math-verify in the process-wide shared worker; kills and replaces it past timeout_s.
-
-    The bound covers the verification only; a worker that is still starting (imports) is waited for first."""
-    global _shared_verifier, _shared_pid
-    with _shared_lock:
-        if _shared_verifier is None or _shared_pid != os.getpid():
-            _shared_verifier, _shared_pid = _VerifierProcess(), os.getpid()
-        verifier = _shared_verifier
-        verifier.wait_ready()
-        try:
-            verifier.send(answer, gold)
-        except OSError:  # the idle worker died (killed from outside): start another and retry once
-            verifier = _shared_verifier = _VerifierProcess()
-            verifier.wait_ready()
-            verifier.send(answer, gold)
-        if verifier.has_result(timeout_s):
-            reason = verifier.recv()
-            if verifier.dead:
-                _shared_verifier = _VerifierProcess()
-            return reason
-        verifier.kill()
-        _shared_verifier = _VerifierProcess()  # replacement starts importing now, in the background
-        return "timeout"
-
-
-def warm_up() -> None:
-    """Start the shared math-verify worker now, so the first slow-path score does not pay its startup."""
-    with _shared_lock:
-        global _shared_verifier, _shared_pid
-        if _shared_verifier is None or _shared_pid != os.getpid():
-            _shared_verifier, _shared_pid = _VerifierProcess(), os.getpid()
-        _shared_verifier.wait_ready()
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -476,7 +307,7 @@ class RewardPool:
         if num_workers < 1:
             raise ValueError(f"RewardPool needs num_workers >= 1, got {num_workers}")
         self.limits, self.memory_budget_bytes = limits, memory_budget_bytes
-        self._workers = [_VerifierProcess(memory_budget_bytes) for _ in range(num_workers)]
+        self._workers = [VerifierProcess(memory_budget_bytes) for _ in range(num_workers)]
         self._queue: deque[tuple[Hashable, str, str]] = deque()  # (key, answer, gold) awaiting a free worker
         self._done: list[tuple[Hashable, ScoreDetails, float]] = []
         self._in_flight = 0
@@ -539,10 +370,10 @@ class RewardPool:
                 self._in_flight -= 1
                 self._finish(key, _details(reason, answer), time.monotonic() - started)
                 if worker.dead:  # crashed mid-job: replace it
-                    self._workers[i] = _VerifierProcess(self.memory_budget_bytes)
+                    self._workers[i] = VerifierProcess(self.memory_budget_bytes)
             elif now - started > self.limits.timeout_s:
                 worker.kill()
-                self._workers[i] = _VerifierProcess(self.memory_budget_bytes)
+                self._workers[i] = VerifierProcess(self.memory_budget_bytes)
                 self.num_timeouts += 1
                 self._in_flight -= 1
                 self._finish(key, _details("timeout", answer), now - started)
@@ -560,7 +391,7 @@ class RewardPool:
                     self._workers[i].send(answer, gold_answer)
                 except OSError:  # the idle worker died (killed from outside): requeue, replace it
                     self._queue.appendleft((key, answer, gold_answer))
-                    self._workers[i] = _VerifierProcess(self.memory_budget_bytes)
+                    self._workers[i] = VerifierProcess(self.memory_budget_bytes)
                     break
                 self._workers[i].job = (key, answer, gold_answer, time.monotonic())
 

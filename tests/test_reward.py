@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import reward_math as rm
+import verify_worker
 from reward_math import RewardPool, ScoreDetails, ScoreLimits, avg_at_k, pass_at_k, scaled, score, score_details
 
 torch.set_num_threads(1)
@@ -223,8 +224,8 @@ def test_reward_pool_matches_score_details_and_kills_timeouts():
 
 def test_dead_workers_are_replaced():
     rm.warm_up()
-    os.kill(rm._shared_verifier.process.pid, 9)  # the idle shared worker dies from outside
-    rm._shared_verifier.process.wait()
+    os.kill(verify_worker._shared_verifier.process.pid, 9)  # the idle shared worker dies from outside
+    verify_worker._shared_verifier.process.wait()
     assert score("\\boxed{\\frac{3}{9}}", "\\frac{1}{3}", PATIENT) == 1.0
     with RewardPool(num_workers=1, limits=ScoreLimits(timeout_s=60.0)) as pool:
         pool.submit("tower", POWER_TOWER, "5")  # busy for minutes: we kill it mid-job
