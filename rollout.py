@@ -202,7 +202,7 @@ def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
     """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
     The layers' parameters become row views of it, so whatever writes them (update_weights, load_state_dict,
     another Generator on the same model) writes the fused matrix too, and no memory is duplicated."""
-    def rows_of(fused):
+    def rows():
         row = 0
         for lin in linears:
             yield lin, slice(row, row + lin.out_features)
@@ -210,18 +210,18 @@ def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.T
 
     fused = getattr(linears[0], "_fused_rows", None)   # a Generator built on this model before
     if fused is not None and all(
-            lin.weight.data_ptr() == fused[0][rows].data_ptr() and
-            (lin.bias is None or lin.bias.data_ptr() == fused[1][rows].data_ptr()) for lin, rows in rows_of(fused)):
+            lin.weight.data_ptr() == fused[0][r].data_ptr() and
+            (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr()) for lin, r in rows()):
         return fused
     weight = torch.cat([lin.weight.detach() for lin in linears])
     bias = None
     if any(lin.bias is not None for lin in linears):
         bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
                           for lin in linears])
-    for lin, rows in rows_of((weight, bias)):
-        lin.weight.data = weight[rows]
+    for lin, r in rows():
+        lin.weight.data = weight[r]
         if lin.bias is not None:
-            lin.bias.data = bias[rows]
+            lin.bias.data = bias[r]
     linears[0]._fused_rows = (weight, bias)
     return weight, bias
 

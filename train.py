@@ -230,6 +230,10 @@ class TrainHead:
         if time.monotonic() - self.last_command > self.cfg.plan.timeout_s / 4:
             self.command("wait")                  # the other train ranks' broadcast must not time out
 
+    def rollout_total(self, key: str) -> float:
+        """A counter summed over the rollout ranks (their latest reports)."""
+        return sum(c.get(key, 0) for c in self.counters.values())
+
     def _owes_eval(self, rank: int) -> bool:
         return any(ev["owed"].get(rank, 0) > 0 for ev in self.pending_eval.values())
 
@@ -389,16 +393,16 @@ class TrainHead:
             self.grant()                              # capacity grew with the version
             now = time.monotonic()
             step_s, last = now - last, now
-            gen_tokens = sum(c.get("generated_tokens", 0) for c in self.counters.values())
+            gen_tokens = self.rollout_total("generated_tokens")
             roll_idle = [c["idle_s"] / max(c["elapsed_s"], 1e-9) for c in self.counters.values() if c]
             stats.update(step=self.buffer.version, version=self.buffer.version, step_s=step_s, weight_sync_s=sync_s,
                          trained_tokens_per_s=stats["trained_tokens"] / step_s,
                          generated_tokens_per_s=(gen_tokens - last_counters.get("gen", 0)) / step_s,
                          rollout_idle_frac=sum(roll_idle) / max(len(roll_idle), 1),
                          trainer_idle_frac=self.idle_s / max(now - t_start, 1e-9),
-                         reward_s=sum(c.get("reward_s", 0.0) for c in self.counters.values()),
-                         rollout_prefill_s=sum(c.get("prefill_s", 0.0) for c in self.counters.values()),
-                         rollout_prefill_tokens=sum(c.get("prefill_tokens", 0) for c in self.counters.values()),
+                         reward_s=self.rollout_total("reward_s"),
+                         rollout_prefill_s=self.rollout_total("prefill_s"),
+                         rollout_prefill_tokens=self.rollout_total("prefill_tokens"),
                          elapsed_s=now - t_start)
             last_counters["gen"] = gen_tokens
             self.log.step(stats)
