@@ -47,6 +47,8 @@ except ImportError:  # pragma: no cover - not installed on CPU machines
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024   # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
+ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")   # cos/sin depend on the position only
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")   # x * rsqrt(mean x^2 + eps) * w
 
 
 # ----------------------------------------------------------------------------- public data types
@@ -108,6 +110,7 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     slot: int = -1
+    hashed_seed: int = 0        # seed_hash(params.seed), for the per-token uniforms
     needs_prefill: bool = True
     cache_version: int = -1     # the weights its prompt's K/V in the cache were computed with
 
@@ -121,8 +124,8 @@ class _Request:
 _MASK32 = 0xFFFFFFFF
 
 
-def _mix32(x: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer avalanche hash on int64 lanes; multipliers < 2**31 so nothing overflows."""
+def _mix32(x):
+    """A 32-bit integer avalanche hash of a Python int or int64 lanes (multipliers < 2**31: no overflow)."""
     x = x ^ (x >> 16)
     x = (x * 0x7FEB352D) & _MASK32
     x = x ^ (x >> 15)
@@ -130,25 +133,39 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
     return x ^ (x >> 16)
 
 
-def counter_uniform(seeds: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
-    """u in (0, 1) as a pure function of (seed, counter): the same draw in any batch, on any slot."""
-    h = _mix32(seeds & _MASK32)
-    h = _mix32(h ^ ((seeds >> 32) & _MASK32))
-    h = _mix32(h ^ (counters & _MASK32))
-    return (h.to(torch.float64) + 0.5) / 2.0**32
+def seed_hash(seed):
+    """The seed's half of counter_uniform, computed once per request (int, or int64 tensor)."""
+    return _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor,
-                  top_k: torch.Tensor, u: torch.Tensor, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def uniform_from_hash(hashed_seed, counter):
+    h = _mix32(hashed_seed ^ (counter & _MASK32))
+    return (h.to(torch.float64) + 0.5) / 2.0**32 if isinstance(h, torch.Tensor) else (h + 0.5) / 2.0**32
+
+
+def counter_uniform(seeds, counters):
+    """u in (0, 1) as a pure function of (seed, counter): the same draw in any batch, on any slot.
+    Python ints or int64 tensors, the same value either way (the sampler hashes a batch's few ints in
+    Python: ~30 tensor ops of 32 lanes cost more than the arithmetic)."""
+    return uniform_from_hash(seed_hash(seeds), counters)
+
+
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | float, top_p: torch.Tensor | None,
+                  top_k: torch.Tensor | None, u: torch.Tensor, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return (tokens, logprobs); rows with temperature 0 are greedy.
 
-    logits [B, V] fp32; temperature/top_p [B] fp32; top_k [B] int64 (V when disabled); u [B] fp64.
-    Sampling inverts the CDF at u. With `truncate` the vocabulary is sorted and cut by top-k, then
-    top-p of the renormalised remainder (the order HF applies them); logprobs are never truncated.
+    logits [B, V] fp32; temperature [B] fp32, or one float for all rows; top_p [B] fp32 and top_k [B]
+    int64 (V when disabled), needed only with `truncate`; u [B] fp64. Sampling inverts the CDF at u.
+    With `truncate` the vocabulary is sorted and cut by top-k, then top-p of the renormalised
+    remainder (the order HF applies them); logprobs are never truncated.
     """
-    greedy = temperature == 0
-    all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
-    scaled = logits if all_greedy else logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    if isinstance(temperature, torch.Tensor):
+        greedy = temperature == 0
+        all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+        scaled = logits if all_greedy else logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    else:   # one temperature for every row (the usual case): no per-row tensors (x / 1 is x, bit for bit)
+        greedy, all_greedy, any_greedy = None, temperature == 0, temperature == 0
+        scaled = logits if temperature in (0.0, 1.0) else logits / temperature
     logp = torch.log_softmax(scaled, dim=-1)
     tokens = logits.argmax(dim=-1) if any_greedy else None
     if not all_greedy:
@@ -175,18 +192,25 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.
 
 # ----------------------------------------------------------------------------- the model pieces
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate_half's sign folded in: rotate_half(x) * sin == roll(x, D/2) * signed_sin, bit for bit."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
-    return x * cos + _rotate_half(x) * sin
+def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
 
 
-def _apply_rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    return _rope(q, cos, sin), _rope(k, cos, sin)
+def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The HF RMSNorm's arithmetic (fp32 statistics) without its no-op casts and temporaries: at decode
+    sizes each op is a ~10 us dispatch on CPU and there are 2 norms per layer."""
+    if type(norm).__name__ not in RMS_NORM_CLASSES:
+        return norm(x)
+    h = x.float()
+    inv_rms = h.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
+    return norm.weight * (h * inv_rms).to(x.dtype)
 
 
 def _layer_windows(config, n_layers: int) -> list[int | None]:
@@ -266,6 +290,13 @@ class Generator:
         self.qkv = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
         self.gate_up = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
         self.qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
+        # RoPE cos / signed sin of every cache position, computed once by the model's own rotary module
+        # (exact: cos/sin are elementwise in the position); rope types that rescale with length are called per step.
+        self.rope_table = None
+        if getattr(self.rotary, "rope_type", None) in ROPE_TABLE_TYPES:
+            cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
+                                   torch.arange(max_seq_len, device=self.device).unsqueeze(0))
+            self.rope_table = (cos[0], _signed_sin(sin[0]))
 
         # The cache: per layer [slots, kv_heads, max_seq_len, head_dim], owned by us.
         shape = (max_batch_size, self.n_kv_heads, max_seq_len, self.head_dim)
@@ -290,21 +321,29 @@ class Generator:
         """Input norm, one fused q/k/v GEMM, RoPE; returns q, k, v as [B, heads, L, D]."""
         a = self.layers[i].self_attn
         b, n = x.shape[:2]
-        qkv = F.linear(self.layers[i].input_layernorm(x), *self.qkv[i])
+        qkv = F.linear(_rms_norm(self.layers[i].input_layernorm, x), *self.qkv[i])
         nq, nk, _ = self.qkv_sizes
         v = qkv[..., nq + nk:].view(b, n, -1, self.head_dim).transpose(1, 2)
         if hasattr(a, "q_norm"):   # Qwen3: per-head RMSNorm on q and k before RoPE
             q, k = (t.view(b, n, -1, self.head_dim) for t in qkv[..., :nq + nk].split([nq, nk], -1))
-            return *_apply_rope(a.q_norm(q).transpose(1, 2), a.k_norm(k).transpose(1, 2), cos, sin), v
+            q, k = _rms_norm(a.q_norm, q).transpose(1, 2), _rms_norm(a.k_norm, k).transpose(1, 2)
+            return _rope(q, cos, sin), _rope(k, cos, sin), v
         # q and k are adjacent in the fused output: rotate them as one tensor
         qk = _rope(qkv[..., :nq + nk].view(b, n, -1, self.head_dim).transpose(1, 2), cos, sin)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v
+
+    def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """RoPE (cos, signed sin) [B, L, D] at positions [B, L]."""
+        if self.rope_table is not None:
+            return self.rope_table[0][positions], self.rope_table[1][positions]
+        cos, sin = self.rotary(x, positions)
+        return cos, _signed_sin(sin)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
         b, _, n, _ = attn_out.shape
         x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, n, -1))
-        gate, up = F.linear(layer.post_attention_layernorm(x), *self.gate_up[i]).chunk(2, dim=-1)
+        gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
         return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
 
     def _prefill(self, reqs: list[_Request]) -> None:
@@ -354,7 +393,7 @@ class Generator:
         slots = torch.tensor([r.slot for r in reqs], device=self.device)
         positions = torch.arange(length, device=self.device).expand(len(seqs), length)
         x = self.embed(tokens)
-        cos, sin = self.rotary(x, positions)
+        cos, sin = self._cos_sin(x, positions)
         masks = {}   # right padding needs no key mask: a real query never looks past itself
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, x, cos, sin)
@@ -382,9 +421,11 @@ class Generator:
         span: how many cache positions attention reads (>= max(positions) + 1).
         """
         b = tokens.shape[0]
-        rows = torch.arange(b, device=self.device)
+        # cache row of (slot, kv head, position) in the flat [slots * kv_heads * max_seq_len, D] view
+        write_rows = (torch.arange(b * self.n_kv_heads, device=self.device).view(b, -1) * self.max_seq_len
+                      + positions.unsqueeze(1)).view(-1)
         x = self.embed(tokens.unsqueeze(1))                      # [B, 1, H]
-        cos, sin = self.rotary(x, positions.unsqueeze(1))
+        cos, sin = self._cos_sin(x, positions.unsqueeze(1))
         kpos = torch.arange(span, device=self.device).unsqueeze(0)
         causal = kpos <= positions.unsqueeze(1)                  # [B, span]
         masks: dict[int | None, torch.Tensor] = {}               # window -> additive mask [B * kv_heads, 1, span]
@@ -392,17 +433,15 @@ class Generator:
         for i, layer in enumerate(self.layers):
             q, k, v = self._qkv(i, x, cos, sin)
             window = self.windows[i]
+            # our own write first (index_copy_: a third of index_put's time), then attention reads the cache
+            self.k_cache[i].view(-1, self.head_dim).index_copy_(0, write_rows, k.reshape(-1, self.head_dim))
+            self.v_cache[i].view(-1, self.head_dim).index_copy_(0, write_rows, v.reshape(-1, self.head_dim))
             if self.use_flash_attn:
-                # our own write first, then flash reads [0, positions] of each slot in place
-                self.k_cache[i][rows, :, positions] = k[:, :, 0].to(self.dtype)
-                self.v_cache[i][rows, :, positions] = v[:, :, 0].to(self.dtype)
                 out = flash_attn_with_kvcache(
                     q.transpose(1, 2), self.k_cache[i][:b].transpose(1, 2), self.v_cache[i][:b].transpose(1, 2),
                     cache_seqlens=(positions + 1).to(torch.int32), softmax_scale=self.scale, causal=True,
                     window_size=(-1, -1) if window is None else (window - 1, 0)).transpose(1, 2)
             else:
-                self.k_cache[i][rows, :, positions] = k[:, :, 0].to(self.dtype)
-                self.v_cache[i][rows, :, positions] = v[:, :, 0].to(self.dtype)
                 if window not in masks:
                     keep = causal if window is None else causal & (kpos > positions.unsqueeze(1) - window)
                     masks[window] = torch.zeros(b, self.n_kv_heads, 1, span, dtype=q.dtype, device=self.device) \
@@ -413,10 +452,10 @@ class Generator:
                 keys = self.k_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
                 values = self.v_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
                 scores = torch.baddbmm(masks[window], qg, keys.transpose(1, 2), alpha=self.scale)
-                probs = scores.float().softmax(-1).to(self.dtype)
+                probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
                 out = torch.bmm(probs, values).view(b, self.n_heads, 1, self.head_dim)
-            x = self._finish_layer(i, x, out.to(x.dtype))
-        return self._logits(self.norm(x)[:, 0])
+            x = self._finish_layer(i, x, out)
+        return self._logits(_rms_norm(self.norm, x)[:, 0])
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows: as one
@@ -446,7 +485,8 @@ class Generator:
         if len(prompt_ids) + params.max_new_tokens - 1 > self.max_seq_len:
             raise ValueError(f"request {request_id!r}: prompt length {len(prompt_ids)} + max_new_tokens "
                              f"{params.max_new_tokens} - 1 exceeds max_seq_len {self.max_seq_len}")
-        req = _Request(request_id, prompt_ids, dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids)))
+        req = _Request(request_id, prompt_ids, dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids)),
+                       hashed_seed=seed_hash(params.seed))
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -504,14 +544,17 @@ class Generator:
             logits = logits[torch.tensor([r.slot for r in running], device=self.device)]
         params = [r.params for r in running]
         dev = self.device
-        temperature = torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-        top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev)
-        seeds = torch.tensor([p.seed for p in params], dtype=torch.int64, device=dev)
-        counters = torch.tensor([len(r.token_ids) for r in running], dtype=torch.int64, device=dev)
+        temperatures = {p.temperature for p in params}
+        temperature = temperatures.pop() if len(temperatures) == 1 else \
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
         truncate = any(p.temperature > 0 and (p.top_p < 1.0 or 0 < p.top_k < self.vocab_size) for p in params)
-        tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k,
-                                         counter_uniform(seeds, counters), truncate)
+        top_p = top_k = None
+        if truncate:
+            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
+            top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev)
+        u = torch.tensor([uniform_from_hash(r.hashed_seed, len(r.token_ids)) for r in running],
+                         dtype=torch.float64, device=dev)
+        tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, u, truncate)
         return tokens.tolist(), logprobs.tolist()
 
     def _release(self, req: _Request, reason: str) -> RequestOutput:

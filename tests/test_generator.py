@@ -188,6 +188,18 @@ def test_counter_uniform_is_a_pure_function_in_range():
     assert torch.equal(u, counter_uniform(seeds, counters))
     assert ((u > 0) & (u < 1)).all() and len(set(u.tolist())) == 4
     assert counter_uniform(seeds[2:3], counters[2:3]).item() == u[2].item()
+    # the sampler hashes Python ints: the same values as the int64-tensor path, up to the largest seed
+    seeds, counters = torch.tensor([0, 2**40 + 3, 2**63 - 1, 12345]), torch.tensor([0, 5, 7, 2**31 + 9])
+    assert [counter_uniform(int(s), int(c)) for s, c in zip(seeds, counters)] == counter_uniform(seeds, counters).tolist()
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
+def test_one_temperature_for_all_rows_samples_like_per_row_temperatures(temperature):
+    logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)) * 4
+    u = counter_uniform(torch.arange(6), torch.zeros(6, dtype=torch.int64))
+    shared = sample_tokens(logits, temperature, None, None, u, truncate=False)
+    per_row = sample_tokens(logits, torch.full((6,), temperature), None, None, u, truncate=False)
+    assert torch.equal(shared[0], per_row[0]) and torch.equal(shared[1], per_row[1])
 
 
 # ----------------------------------------------------------------------------- weight updates
