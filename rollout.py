@@ -302,6 +302,10 @@ class Generator:
         shape = (max_batch_size, self.n_kv_heads, max_seq_len, self.head_dim)
         self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
+        self.cache_positions = torch.arange(max_seq_len, device=self.device)
+        # row of (slot, kv head, position 0) in a cache's flat [slots * kv_heads * max_seq_len, D] view
+        self.kv_row_starts = torch.arange(max_batch_size * self.n_kv_heads, device=self.device) \
+            .view(max_batch_size, -1) * max_seq_len
 
         self.waiting: deque[_Request] = deque()
         self.slots: list[_Request | None] = [None] * max_batch_size
@@ -342,9 +346,10 @@ class Generator:
     def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         layer = self.layers[i]
         b, _, n, _ = attn_out.shape
-        x = x + layer.self_attn.o_proj(attn_out.transpose(1, 2).reshape(b, n, -1))
+        o_proj, mlp = layer.self_attn.o_proj, layer.mlp
+        x = x + F.linear(attn_out.transpose(1, 2).reshape(b, n, -1), o_proj.weight, o_proj.bias)
         gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
-        return x + layer.mlp.down_proj(layer.mlp.act_fn(gate) * up)
+        return x + F.linear(mlp.act_fn(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias)
 
     def _prefill(self, reqs: list[_Request]) -> None:
         """Write K/V of tokens[:-1] of each request into its slot, in right-padded batches.
@@ -421,12 +426,10 @@ class Generator:
         span: how many cache positions attention reads (>= max(positions) + 1).
         """
         b = tokens.shape[0]
-        # cache row of (slot, kv head, position) in the flat [slots * kv_heads * max_seq_len, D] view
-        write_rows = (torch.arange(b * self.n_kv_heads, device=self.device).view(b, -1) * self.max_seq_len
-                      + positions.unsqueeze(1)).view(-1)
+        write_rows = (self.kv_row_starts[:b] + positions.unsqueeze(1)).view(-1)
         x = self.embed(tokens.unsqueeze(1))                      # [B, 1, H]
         cos, sin = self._cos_sin(x, positions.unsqueeze(1))
-        kpos = torch.arange(span, device=self.device).unsqueeze(0)
+        kpos = self.cache_positions[:span].unsqueeze(0)
         causal = kpos <= positions.unsqueeze(1)                  # [B, span]
         masks: dict[int | None, torch.Tensor] = {}               # window -> additive mask [B * kv_heads, 1, span]
         group = self.n_heads // self.n_kv_heads
@@ -519,7 +522,8 @@ class Generator:
         width = self.max_batch_size if self.static_decode else max(r.slot for r in running) + 1
         tokens, positions = [0] * width, [0] * width     # idle slots decode a dummy token at position 0
         for r in running:
-            tokens[r.slot], positions[r.slot] = r.all_tokens[-1], len(r.all_tokens) - 1
+            tokens[r.slot] = r.token_ids[-1] if r.token_ids else r.prompt_ids[-1]
+            positions[r.slot] = len(r.prompt_ids) + len(r.token_ids) - 1
         span = self.max_seq_len if self.static_decode else max(positions) + 1
         logits = self._decode_forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), span)
