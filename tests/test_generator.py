@@ -9,7 +9,8 @@ import torch
 from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                           Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
-from rollout import Generator, SamplingParams, counter_uniform, sample_tokens
+from rollout import Generator, SamplingParams
+from sampler import counter_uniform, sample_tokens
 
 torch.set_num_threads(1)
 
