@@ -78,6 +78,19 @@ def test_greedy_matches_hf_generate_and_full_forward(kind):
     assert gen.num_unfinished() == 0 and all(s is None for s in gen.slots)
 
 
+@pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
+def test_rope_table_and_per_step_rotary_match_hf(rope_type):
+    """'linear' RoPE goes through the precomputed cos/sin table, 'dynamic' through the model's rotary module
+    every step (its frequencies may depend on the length); both must equal HF."""
+    model = make_model("llama", seed=5, rope_parameters={"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0})
+    gen = Generator(model, max_batch_size=3, max_seq_len=40)
+    assert (gen.rope_table is not None) == (rope_type == "linear")
+    for prompt, out in zip(PROMPTS, gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))):
+        assert out.token_ids == hf_greedy(model, prompt, 10)
+        ref = full_forward_logprobs(model, prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+
+
 def test_greedy_matches_hf_left_padded_batch():
     """HF's own batched, left-padded generate (the way a user calls it) gives the same tokens."""
     model = make_model("llama", seed=3)
