@@ -315,7 +315,7 @@ class PackedSeqs:
         """None for a single sequence: attention then takes SDPA's plain causal path."""
         if len(seq_lens) == 1:
             return None
-        n, max_len = len(seq_lens), max(seq_lens)
+        max_len = max(seq_lens)
         lens = torch.tensor(seq_lens, device=device)
         starts = torch.cumsum(lens, 0) - lens
         offset = torch.arange(max_len, device=device)
