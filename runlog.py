@@ -55,6 +55,10 @@ class RunLog:
             self.wandb_id = wandb_id or secrets.token_hex(4)
             self.wandb = wandb.init(project=cfg.logging.wandb_project, name=run_dir.name, dir=str(run_dir),
                                     mode=mode, config=to_dict(cfg), id=self.wandb_id, resume="allow")
+            # Every metric is plotted against our trainer step, a logged field, not W&B's own step counter: an
+            # eval of version v reports after steps > v were logged, and W&B drops a log whose step= went back.
+            self.wandb.define_metric("trainer_step")
+            self.wandb.define_metric("*", step_metric="trainer_step")
         else:
             self.wandb_id = wandb_id
         self.bar = None
@@ -68,7 +72,8 @@ class RunLog:
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
-            self.wandb.log({k: v for k, v in record.items() if k != "step" and v is not None}, step=record["step"])
+            self.wandb.log({"trainer_step": record["step"],
+                            **{k: v for k, v in record.items() if k != "step" and v is not None}})
 
     def step(self, stats: dict) -> None:
         self._write(stats)

@@ -113,8 +113,10 @@ def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> list[Ru
     for wr in api.runs(path, filters=filters or {}):
         rows = []
         for row in wr.scan_history():
-            row = {k: v for k, v in row.items() if not k.startswith("_") or k == "_step"}
-            row.setdefault("step", row.pop("_step", None))
+            # the trainer step is the logged `trainer_step` (runs before it existed used W&B's own _step)
+            step = row.get("trainer_step", row.get("_step"))
+            row = {k: v for k, v in row.items() if not k.startswith("_") and k != "trainer_step"}
+            row.setdefault("step", step)
             if row["step"] is not None:
                 rows.append(row)
         steps, evals = split_records(rows)

@@ -105,18 +105,26 @@ def test_wandb_adapter_with_fake_api():
         name, id = "w1", "abc"
         config = {"staleness": {"max_staleness": 2}, "_wandb": {"x": 1}}
 
+        def scan_history(self):   # rows as RunLog logs them: the trainer step is a field, _step is W&B's counter
+            yield {"_step": 0, "_runtime": 1.0, "trainer_step": 0, "time": 0.5, "eval_accuracy": 0.25}
+            yield {"_step": 1, "trainer_step": 1, "time": 2.0, "loss": 0.1, **step(1, 10, 5.0)}
+            yield {"_step": 2, "trainer_step": 2, "time": 3.0, "loss": 0.1, **step(2, 40, 2.0)}
+            yield {"_step": 3, "trainer_step": 2, "time": 3.5, "eval_accuracy": 0.5}   # the eval reports late
+
+    class LegacyRun(FakeRun):   # logged before trainer_step existed: W&B's _step was the trainer step
+        name, id = "w0", "old"
+
         def scan_history(self):
-            yield {"_step": 0, "_runtime": 1.0, "time": 0.5, "eval_accuracy": 0.25}
-            yield {"_step": 1, "time": 2.0, "loss": 0.1, **step(1, 10, 5.0)}
-            yield {"_step": 2, "time": 3.0, "loss": 0.1, **step(2, 40, 2.0), "eval_accuracy": 0.5}
+            yield {"_step": 1, "time": 2.0, "loss": 0.1, **step(1, 10, 5.0), "eval_accuracy": 0.5}
 
     class FakeApi:
         def runs(self, path, filters=None):
             assert path == "ent/proj" and filters == {"state": "finished"}
-            return [FakeRun()]
+            return [FakeRun(), LegacyRun()]
 
-    (run,) = compare.load_wandb_runs("ent/proj", {"state": "finished"}, api=FakeApi())
+    run, legacy = compare.load_wandb_runs("ent/proj", {"state": "finished"}, api=FakeApi())
     assert [s["step"] for s in run.steps] == [1, 2] and [e["step"] for e in run.evals] == [0, 2]
+    assert [s["step"] for s in legacy.steps] == [1] and [e["step"] for e in legacy.evals] == [1]
     assert compare.config_value(run.config, "staleness.max_staleness") == 2 and "_wandb" not in run.config
     s = compare.summarize(run)
     assert s["tokens_per_s"] == pytest.approx(20.0) and s["best_acc"] == 0.5
