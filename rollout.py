@@ -116,6 +116,10 @@ class _Request:
     def all_tokens(self) -> list[int]:
         return self.prompt_ids + self.token_ids
 
+    @property
+    def num_tokens(self) -> int:   # len(all_tokens) without building the list (read every decode step)
+        return len(self.prompt_ids) + len(self.token_ids)
+
 
 # ----------------------------------------------------------------------------- the model pieces
 
@@ -284,7 +288,7 @@ class Generator:
         The samples of a GRPO group share their prompt: a fresh request whose prompt is already in the
         cache -- another slot's, computed with the current weights, or one computed in this call -- gets
         those K/V copied instead of recomputed (prefill is most of the work for short answers)."""
-        reqs = [r for r in reqs if len(r.all_tokens) > 1]
+        reqs = [r for r in reqs if r.num_tokens > 1]
         for r in reqs:
             r.cache_version = self.version
         resident = {tuple(r.prompt_ids): r.slot for r in self.slots
@@ -301,10 +305,10 @@ class Generator:
             else:
                 copies.append((r, resident[key] if key in resident else computed[key].slot))
         reqs = compute
-        reqs.sort(key=lambda r: len(r.all_tokens))
+        reqs.sort(key=lambda r: r.num_tokens)
         while reqs:   # greedy chunks, padded size (count x longest) within the prefill token budget
             n = 1
-            while n < len(reqs) and (n + 1) * (len(reqs[n].all_tokens) - 1) <= self.max_prefill_tokens:
+            while n < len(reqs) and (n + 1) * (reqs[n].num_tokens - 1) <= self.max_prefill_tokens:
                 n += 1
             self._prefill_chunk(reqs[:n])
             reqs = reqs[n:]
@@ -449,8 +453,7 @@ class Generator:
         width = self.max_batch_size if self.static_decode else max(r.slot for r in running) + 1
         tokens, positions = [0] * width, [0] * width     # idle slots decode a dummy token at position 0
         for r in running:
-            tokens[r.slot] = r.token_ids[-1] if r.token_ids else r.prompt_ids[-1]
-            positions[r.slot] = len(r.prompt_ids) + len(r.token_ids) - 1
+            tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], r.num_tokens - 1
         span = self.max_seq_len if self.static_decode else max(positions) + 1
         logits = self._decode_forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), span)
@@ -538,7 +541,7 @@ class Generator:
             for r in self.slots:
                 if r is not None:
                     r.needs_prefill = True
-                    self.stats.recompute_tokens += len(r.all_tokens) - 1
+                    self.stats.recompute_tokens += r.num_tokens - 1
 
     # ------------------------------------------------------------------ batch API
 
