@@ -31,7 +31,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Mapping, Sequence
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -89,10 +89,11 @@ class GeneratorStats:
     prefill_tokens: int = 0      # tokens whose K/V were (re)computed by prefill, recompute included
     recompute_tokens: int = 0    # the part of prefill_tokens caused by weight updates
     prefill_tokens_shared: int = 0   # prompt tokens whose K/V were copied from a slot with the same prompt
+    prefill_forwards: int = 0    # prefill-only forward passes (the last chunk of a step rides in its decode forward)
     generated_tokens: int = 0
     weight_updates: int = 0
-    prefill_seconds: float = 0.0
-    decode_seconds: float = 0.0
+    prefill_seconds: float = 0.0     # planning, K/V copies and prefill-only forwards
+    decode_seconds: float = 0.0      # decode forwards, with the prefill rows riding in them, and sampling
 
     @property
     def seconds(self) -> float:
@@ -121,6 +122,13 @@ class _Request:
         return len(self.prompt_ids) + len(self.token_ids)
 
 
+@dataclass
+class _PrefillChunk:
+    tokens: torch.Tensor        # [n, length] tokens[:-1] of n requests, right-padded
+    write_rows: torch.Tensor    # rows of the cache's flat [slots * kv_heads * max_seq_len, D] view ...
+    read_rows: torch.Tensor     # ... that receive these rows of the chunk's k/v ([n * length * kv_heads, D])
+
+
 # ----------------------------------------------------------------------------- the model pieces
 
 def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -135,10 +143,13 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch
 
 
 def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The HF RMSNorm's arithmetic (fp32 statistics) without its no-op casts and temporaries: at decode
-    sizes each op is a ~10 us dispatch on CPU and there are 2 norms per layer."""
+    """The HF RMSNorm (fp32 statistics, weight applied in the input dtype) with fewer ops: at decode sizes
+    each op is a ~10 us dispatch on CPU and there are 2 norms per layer. For fp32 input `F.rms_norm` is one
+    kernel with the same bits (tested); for bf16 HF rounds before the weight, so its arithmetic is written out."""
     if type(norm).__name__ not in RMS_NORM_CLASSES:
         return norm(x)
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
     h = x.float()
     inv_rms = h.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
     return norm.weight * (h * inv_rms).to(x.dtype)
@@ -153,31 +164,63 @@ def _layer_windows(config, n_layers: int) -> list[int | None]:
     return [window] * n_layers
 
 
-def _fuse_linears(linears: list[torch.nn.Linear]) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
-    The layers' parameters become row views of it, so whatever writes them (update_weights, load_state_dict,
-    another Generator on the same model) writes the fused matrix too, and no memory is duplicated."""
-    def rows():
-        row = 0
-        for lin in linears:
-            yield lin, slice(row, row + lin.out_features)
-            row += lin.out_features
+_INPUT_MAJOR_FASTER: dict[tuple, bool] = {}
 
-    fused = getattr(linears[0], "_fused_rows", None)   # a Generator built on this model before
+
+def _input_major_is_faster(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> bool:
+    """CPU: is x @ W faster with W stored [in, out] than [out, in] (an nn.Linear's), at decode size?
+
+    MKL's small-GEMM speed depends on the weight's layout, both ways and by shape: with 32 rows and 1 thread,
+    weights streamed from memory, gate/up took 474 vs 592 us input-major (tiny model) and 1.9 vs 2.3 ms
+    (34M config) while down_proj was 8-15% slower. So each shape is timed once per process, both layouts
+    interleaved over ~16 MB of weight copies (in a decode step the weights come from memory, not cache), best
+    of 5, and input-major must win by 5%. Both layouts give the same bits here (MKL); the tests run both."""
+    key = (out_features, in_features, rows, dtype)
+    if key not in _INPUT_MAJOR_FASTER:
+        copies = max(2, (16 << 20) // (out_features * in_features * dtype.itemsize))
+        x = torch.randn(rows, in_features, dtype=dtype)
+        layouts = {"row": [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]}
+        layouts["input"] = [w.t().contiguous().t() for w in layouts["row"]]
+        best = {}
+        for _ in range(5):
+            for name, weights in layouts.items():
+                t0 = time.perf_counter()
+                for w in weights:
+                    F.linear(x, w)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+        _INPUT_MAJOR_FASTER[key] = best["input"] < 0.95 * best["row"]
+    return _INPUT_MAJOR_FASTER[key]
+
+
+def _fuse_linears(linears: list[torch.nn.Linear], input_major: Callable[[int, int], bool]) \
+        -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
+    Returned as an [out, in] view like an nn.Linear weight. The layers' parameters become views of it, so
+    whatever writes them (update_weights, load_state_dict, another Generator on the same model) writes the
+    fused matrix too, and no memory is duplicated. `input_major(out, in)` says whether to store it [in, out]."""
+    def cols():
+        col = 0
+        for lin in linears:
+            yield lin, slice(col, col + lin.out_features)
+            col += lin.out_features
+
+    fused = getattr(linears[0], "_fused", None)   # a Generator built on this model before
     if fused is not None and all(
-            lin.weight.data_ptr() == fused[0][r].data_ptr() and
-            (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr()) for lin, r in rows()):
+            lin.weight.data_ptr() == fused[0][r].data_ptr() and lin.weight.stride() == fused[0][r].stride() and
+            (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr()) for lin, r in cols()):
         return fused
     weight = torch.cat([lin.weight.detach() for lin in linears])
+    if input_major(*weight.shape):
+        weight = weight.t().contiguous().t()
     bias = None
     if any(lin.bias is not None for lin in linears):
         bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
                           for lin in linears])
-    for lin, r in rows():
+    for lin, r in cols():
         lin.weight.data = weight[r]
         if lin.bias is not None:
             lin.bias.data = bias[r]
-    linears[0]._fused_rows = (weight, bias)
+    linears[0]._fused = (weight, bias)
     return weight, bias
 
 
@@ -189,7 +232,7 @@ class Generator:
 
     def __init__(self, model, max_batch_size: int = 32, max_seq_len: int = 1024, version: int = 0,
                  interrupt_mode: str = "recompute", compile_decode: bool = False,
-                 use_flash_attn: bool = False, max_prefill_tokens: int = 16384):
+                 use_flash_attn: bool = False, max_prefill_tokens: int = 16384, weight_layout: str = "auto"):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -218,8 +261,20 @@ class Generator:
         self.max_prefill_tokens = max_prefill_tokens
         self.interrupt_mode, self.use_flash_attn = interrupt_mode, use_flash_attn
         self.version = version
-        self.qkv = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj]) for l in self.layers]
-        self.gate_up = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj]) for l in self.layers]
+        if weight_layout not in ("auto", "row", "input"):
+            raise ValueError(f"weight_layout must be 'auto', 'row' or 'input', got {weight_layout!r}")
+        if weight_layout == "auto" and self.device.type != "cpu":
+            weight_layout = "row"
+
+        def input_major(out_features: int, in_features: int) -> bool:
+            return weight_layout == "input" or weight_layout == "auto" and _input_major_is_faster(
+                out_features, in_features, max_batch_size, self.dtype)
+
+        self.qkv = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], input_major)
+                    for l in self.layers]
+        self.gate_up = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj], input_major) for l in self.layers]
+        self.o_proj = [_fuse_linears([l.self_attn.o_proj], input_major) for l in self.layers]
+        self.down_proj = [_fuse_linears([l.mlp.down_proj], input_major) for l in self.layers]
         self.qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         # RoPE cos / signed sin of every cache position, computed once by the model's own rotary module
         # (exact: cos/sin are elementwise in the position); rope types that rescale with length are called per step.
@@ -245,10 +300,10 @@ class Generator:
 
         # A compiled decode step needs static shapes: always all slots and the full cache length.
         self.static_decode = compile_decode
-        self._decode_forward = self._decode_forward_eager
+        self._decode_forward = self._forward_eager
         if compile_decode:
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
-            self._decode_forward = torch.compile(self._decode_forward_eager, mode=mode, dynamic=False)
+            self._decode_forward = torch.compile(self._forward_eager, mode=mode, dynamic=False)
 
     # ------------------------------------------------------------------ the transformer, our way
 
@@ -275,121 +330,153 @@ class Generator:
         return cos, _signed_sin(sin)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
+        """o_proj, residual, MLP, residual; attn_out [rows, L, heads * D]."""
         layer = self.layers[i]
-        b, _, n, _ = attn_out.shape
-        o_proj, mlp = layer.self_attn.o_proj, layer.mlp
-        x = x + F.linear(attn_out.transpose(1, 2).reshape(b, n, -1), o_proj.weight, o_proj.bias)
+        x = x + F.linear(attn_out, *self.o_proj[i])
         gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
-        return x + F.linear(mlp.act_fn(gate).mul_(up), mlp.down_proj.weight, mlp.down_proj.bias)
+        return x + F.linear(layer.mlp.act_fn(gate).mul_(up), *self.down_proj[i])
 
-    def _prefill(self, reqs: list[_Request]) -> None:
-        """Write K/V of tokens[:-1] of each request into its slot, in right-padded batches.
+    def _plan_prefill(self, reqs: list[_Request]) -> list[_PrefillChunk]:
+        """Decide how each request's K/V of tokens[:-1] get into its slot; returns the chunks to compute.
 
         The samples of a GRPO group share their prompt: a fresh request whose prompt is already in the
-        cache -- another slot's, computed with the current weights, or one computed in this call -- gets
-        those K/V copied instead of recomputed (prefill is most of the work for short answers)."""
+        cache (another slot's, computed with the current weights) gets those K/V copied now; one whose
+        prompt is computed in this step becomes an extra destination of that computation's rows (prefill
+        is most of the work for short answers). The rest is computed in right-padded chunks of requests
+        sorted by length, each within the prefill token budget (count x longest)."""
         reqs = [r for r in reqs if r.num_tokens > 1]
         for r in reqs:
             r.cache_version = self.version
         resident = {tuple(r.prompt_ids): r.slot for r in self.slots
                     if r is not None and not r.needs_prefill and r.cache_version == self.version}
-        copies: list[tuple[_Request, int]] = []      # (request, slot holding its prompt), after compute
         computed: dict[tuple, _Request] = {}
         compute: list[_Request] = []
+        sharers: dict[int, list[int]] = {}     # id(computed request) -> slots that receive its rows too
         for r in reqs:
             key = tuple(r.prompt_ids)
             if r.token_ids or key not in resident and key not in computed:
                 compute.append(r)
                 if not r.token_ids:
                     computed[key] = r
+            elif key in resident:
+                n, src = len(r.prompt_ids) - 1, resident[key]
+                for k_layer, v_layer in zip(self.k_cache, self.v_cache):
+                    k_layer[r.slot, :, :n] = k_layer[src, :, :n]
+                    v_layer[r.slot, :, :n] = v_layer[src, :, :n]
+                self.stats.prefill_tokens_shared += n
             else:
-                copies.append((r, resident[key] if key in resident else computed[key].slot))
-        reqs = compute
-        reqs.sort(key=lambda r: r.num_tokens)
-        while reqs:   # greedy chunks, padded size (count x longest) within the prefill token budget
+                sharers.setdefault(id(computed[key]), []).append(r.slot)
+                self.stats.prefill_tokens_shared += len(r.prompt_ids) - 1
+        compute.sort(key=lambda r: r.num_tokens)
+        chunks = []
+        while compute:
             n = 1
-            while n < len(reqs) and (n + 1) * (reqs[n].num_tokens - 1) <= self.max_prefill_tokens:
+            while n < len(compute) and (n + 1) * (compute[n].num_tokens - 1) <= self.max_prefill_tokens:
                 n += 1
-            self._prefill_chunk(reqs[:n])
-            reqs = reqs[n:]
-        for r, src in copies:
-            n = len(r.prompt_ids) - 1
-            for k_layer, v_layer in zip(self.k_cache, self.v_cache):
-                k_layer[r.slot, :, :n] = k_layer[src, :, :n]
-                v_layer[r.slot, :, :n] = v_layer[src, :, :n]
-            self.stats.prefill_tokens_shared += n
+            chunks.append(self._prefill_chunk(compute[:n], sharers))
+            compute = compute[n:]
+        return chunks
 
-    def _prefill_chunk(self, reqs: list[_Request]) -> None:
+    def _prefill_chunk(self, reqs: list[_Request], sharers: dict[int, list[int]]) -> _PrefillChunk:
+        """Right-padded tokens[:-1] of `reqs` and where each real row's K/V go in the flat cache view."""
         seqs = [r.all_tokens[:-1] for r in reqs]
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
-        for i, s in enumerate(seqs):
+        dst, src = [], []   # cache rows (slot, kv head, position) <- rows (request, position, kv head) of k
+        for i, (r, s) in enumerate(zip(reqs, seqs)):
             tokens[i, :len(s)] = torch.tensor(s)
-        tokens = tokens.to(self.device)
-        slots = torch.tensor([r.slot for r in reqs], device=self.device)
-        positions = torch.arange(length, device=self.device).expand(len(seqs), length)
-        x = self.embed(tokens)
-        cos, sin = self._cos_sin(x, positions)
-        masks = {}   # right padding needs no key mask: a real query never looks past itself
-        for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, x, cos, sin)
-            self.k_cache[i][slots, :, :length] = k.to(self.dtype)
-            self.v_cache[i][slots, :, :length] = v.to(self.dtype)
-            if i == len(self.layers) - 1:
-                break   # only the cache is wanted: the last layer's attention/MLP output is unused
-            window = self.windows[i]
-            if window is None or window >= length:
-                out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
-            else:
-                if window not in masks:
-                    qpos = torch.arange(length, device=self.device).unsqueeze(1)
-                    kpos = torch.arange(length, device=self.device).unsqueeze(0)
-                    masks[window] = (kpos <= qpos) & (kpos > qpos - window)
-                out = F.scaled_dot_product_attention(q, k, v, attn_mask=masks[window], scale=self.scale,
-                                                     enable_gqa=True)
-            x = self._finish_layer(i, x, out)
+            rows = torch.arange(len(s)).unsqueeze(1) * self.n_kv_heads + torch.arange(self.n_kv_heads) \
+                + i * length * self.n_kv_heads                               # [len, kv]
+            for slot in [r.slot] + sharers.get(id(r), []):
+                dst.append(self.kv_row_starts[slot].cpu() + torch.arange(len(s)).unsqueeze(1))
+                src.append(rows)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
+        return _PrefillChunk(tokens.to(self.device), torch.cat(dst).view(-1).to(self.device),
+                             torch.cat(src).view(-1).to(self.device))
 
-    def _decode_forward_eager(self, tokens: torch.Tensor, positions: torch.Tensor, span: int) -> torch.Tensor:
-        """One token for each of the first `tokens.shape[0]` slots; returns fp32 logits [B, V].
+    def _forward_eager(self, tokens: torch.Tensor, positions: torch.Tensor, span: int,
+                       chunk: _PrefillChunk | None = None) -> torch.Tensor | None:
+        """One decode token for each of the first `tokens.shape[0]` slots, plus (optionally) the prefill rows
+        of a chunk riding in the same GEMMs; returns fp32 logits [B, V] of the decode rows (None if B = 0).
 
         tokens/positions [B]: the input token of each slot and the cache index it is written at.
-        span: how many cache positions attention reads (>= max(positions) + 1).
+        span: how many cache positions decode attention reads (>= max(positions) + 1).
+        Prefill rows are appended after the decode rows; they attend among themselves (causal SDPA over the
+        padded chunk) while decode rows read the cache, which holds every row's K/V of this layer by then.
+        Riding along costs a fraction of a separate forward: at these sizes a GEMM's cost is mostly the
+        pass over the weights (tiny model, 17 GEMMs: 60 rows cost 1.26x 32 rows; 28 rows alone cost as much).
         """
         b = tokens.shape[0]
+        kv = self.n_kv_heads
         write_rows = (self.kv_row_starts[:b] + positions.unsqueeze(1)).view(-1)
-        x = self.embed(tokens.unsqueeze(1))                      # [B, 1, H]
-        cos, sin = self._cos_sin(x, positions.unsqueeze(1))
+        read_rows = None                                         # rows of k/v to write (None: all, in order)
+        rows_pos = positions
+        if chunk is not None:
+            n, length = chunk.tokens.shape
+            tokens = torch.cat([tokens, chunk.tokens.view(-1)])
+            rows_pos = torch.cat([positions, self.cache_positions[:length].repeat(n)])
+            write_rows = torch.cat([write_rows, chunk.write_rows])
+            read_rows = torch.cat([torch.arange(b * kv, device=self.device), chunk.read_rows + b * kv])
+        x = self.embed(tokens.unsqueeze(1))                      # [rows, 1, H]
+        cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
         kpos = self.cache_positions[:span].unsqueeze(0)
         causal = kpos <= positions.unsqueeze(1)                  # [B, span]
         masks: dict[int | None, torch.Tensor] = {}               # window -> additive mask [B * kv_heads, 1, span]
-        group = self.n_heads // self.n_kv_heads
+        group = self.n_heads // kv
         for i, layer in enumerate(self.layers):
-            q, k, v = self._qkv(i, x, cos, sin)
+            q, k, v = self._qkv(i, x, cos, sin)                  # [rows, heads, 1, D]
             window = self.windows[i]
-            # our own write first (index_copy_: a third of index_put's time), then attention reads the cache
-            self.k_cache[i].view(-1, self.head_dim).index_copy_(0, write_rows, k.reshape(-1, self.head_dim))
-            self.v_cache[i].view(-1, self.head_dim).index_copy_(0, write_rows, v.reshape(-1, self.head_dim))
-            if self.use_flash_attn:
-                out = flash_attn_with_kvcache(
-                    q.transpose(1, 2), self.k_cache[i][:b].transpose(1, 2), self.v_cache[i][:b].transpose(1, 2),
-                    cache_seqlens=(positions + 1).to(torch.int32), softmax_scale=self.scale, causal=True,
-                    window_size=(-1, -1) if window is None else (window - 1, 0)).transpose(1, 2)
-            else:
-                if window not in masks:
-                    keep = causal if window is None else causal & (kpos > positions.unsqueeze(1) - window)
-                    masks[window] = torch.zeros(b, self.n_kv_heads, 1, span, dtype=q.dtype, device=self.device) \
-                        .masked_fill_(~keep.view(b, 1, 1, span), float("-inf")).view(-1, 1, span)
-                # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
-                # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
-                qg = q.reshape(b * self.n_kv_heads, group, self.head_dim)
-                keys = self.k_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
-                values = self.v_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
-                scores = torch.baddbmm(masks[window], qg, keys.transpose(1, 2), alpha=self.scale)
-                probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
-                out = torch.bmm(probs, values).view(b, self.n_heads, 1, self.head_dim)
-            x = self._finish_layer(i, x, out)
+            # write every row's K/V first (index_copy_: a third of index_put's time), then attention reads the cache
+            for cache, new in ((self.k_cache[i], k), (self.v_cache[i], v)):
+                new = new.reshape(-1, self.head_dim)
+                cache.view(-1, self.head_dim).index_copy_(0, write_rows, new if read_rows is None else new[read_rows])
+            last = i == len(self.layers) - 1
+            if last and chunk is not None:                       # only the prefill rows' cache is wanted
+                if b == 0:
+                    return None
+                x, q = x[:b], q[:b]
+            outs = []
+            if b:
+                outs.append(self._decode_attention(i, q[:b], positions, span, window, causal, kpos, masks, group))
+            if chunk is not None and not last:
+                outs.append(self._prefill_attention(q[b:], k[b:], v[b:], n, length, window))
+            x = self._finish_layer(i, x, outs[0] if len(outs) == 1 else torch.cat(outs))
         return self._logits(_rms_norm(self.norm, x)[:, 0])
+
+    def _decode_attention(self, i, q, positions, span, window, causal, kpos, masks, group) -> torch.Tensor:
+        """Attention of one query row per slot over its cache rows; returns [B, 1, heads * D]."""
+        b = q.shape[0]
+        if self.use_flash_attn:
+            out = flash_attn_with_kvcache(
+                q.transpose(1, 2), self.k_cache[i][:b].transpose(1, 2), self.v_cache[i][:b].transpose(1, 2),
+                cache_seqlens=(positions + 1).to(torch.int32), softmax_scale=self.scale, causal=True,
+                window_size=(-1, -1) if window is None else (window - 1, 0))
+            return out.reshape(b, 1, -1)
+        if window not in masks:
+            keep = causal if window is None else causal & (kpos > positions.unsqueeze(1) - window)
+            masks[window] = torch.zeros(b, self.n_kv_heads, 1, span, dtype=q.dtype, device=self.device) \
+                .masked_fill_(~keep.view(b, 1, 1, span), float("-inf")).view(-1, 1, span)
+        # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
+        # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
+        qg = q.reshape(b * self.n_kv_heads, group, self.head_dim)
+        keys = self.k_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
+        values = self.v_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
+        scores = torch.baddbmm(masks[window], qg, keys.transpose(1, 2), alpha=self.scale)
+        probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
+        return torch.bmm(probs, values).view(b, 1, -1)
+
+    def _prefill_attention(self, q, k, v, n: int, length: int, window: int | None) -> torch.Tensor:
+        """Causal attention within each right-padded sequence of a chunk (a real query never looks past
+        itself, so padding needs no key mask); q/k/v [n * length, heads, 1, D] -> [n * length, 1, heads * D]."""
+        q, k, v = (t.reshape(n, length, -1, self.head_dim).transpose(1, 2) for t in (q, k, v))
+        if window is None or window >= length:
+            out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scale, enable_gqa=True)
+        else:
+            qpos = self.cache_positions[:length].unsqueeze(1)
+            kpos = self.cache_positions[:length].unsqueeze(0)
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(kpos <= qpos) & (kpos > qpos - window),
+                                                 scale=self.scale, enable_gqa=True)
+        return out.transpose(1, 2).reshape(n * length, 1, -1)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows: as one
@@ -442,11 +529,20 @@ class Generator:
         if not running:
             return []
         to_prefill = [r for r in running if r.needs_prefill]
+        chunks = []
         if to_prefill:
             t0 = time.perf_counter()
-            self._prefill(to_prefill)
+            chunks = self._plan_prefill(to_prefill)
             for r in to_prefill:
                 r.needs_prefill = False
+            # the last chunk rides in the decode forward; earlier ones (over the token budget), and all of
+            # them under a compiled static-shape decode step, run as prefill-only forwards
+            ride_along = 0 if self.static_decode else 1
+            for chunk in chunks[:len(chunks) - ride_along]:
+                self.stats.prefill_forwards += 1
+                self._forward_eager(torch.zeros(0, dtype=torch.long, device=self.device),
+                                    torch.zeros(0, dtype=torch.long, device=self.device), 0, chunk)
+            chunks = chunks[len(chunks) - ride_along:]
             self.stats.prefill_seconds += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -455,8 +551,8 @@ class Generator:
         for r in running:
             tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], r.num_tokens - 1
         span = self.max_seq_len if self.static_decode else max(positions) + 1
-        logits = self._decode_forward(torch.tensor(tokens, device=self.device),
-                                      torch.tensor(positions, device=self.device), span)
+        args = (torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span)
+        logits = self._decode_forward(*args, chunks[0]) if chunks else self._decode_forward(*args)
         new_tokens, new_logprobs = self._sample(logits, running)
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(running)

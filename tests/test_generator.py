@@ -78,6 +78,64 @@ def test_greedy_matches_hf_generate_and_full_forward(kind):
     assert gen.num_unfinished() == 0 and all(s is None for s in gen.slots)
 
 
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
+def test_prefill_rows_ride_in_the_decode_forward_for_any_prefill_budget(kind):
+    """New requests' prefill rows run in the same forward as the running slots' decode rows (the last chunk of
+    a step), and chunks over the prefill token budget run as prefill-only forwards first. Budget 1 forces one
+    request per chunk: many prefill-only forwards; 16384 forces none. Both equal HF greedy and the full forward
+    (Mistral's window of 5 is shorter than the prompts, so the chunk attention's window mask is exercised)."""
+    model = make_model(kind, seed=21)
+    prompts = PROMPTS + [[40, 41, 42, 43, 44, 45, 46, 47, 48], [50, 51, 52]]
+    results = {}
+    for budget in (1, 16384):
+        gen = Generator(model, max_batch_size=3, max_seq_len=40, max_prefill_tokens=budget)
+        outs = gen.generate(prompts, SamplingParams(temperature=0, max_new_tokens=7))
+        assert (gen.stats.prefill_forwards > 0) == (budget == 1)
+        assert gen.stats.prefill_tokens == sum(len(p) - 1 for p in prompts)
+        for prompt, out in zip(prompts, outs):
+            assert out.token_ids == hf_greedy(model, prompt, 7)
+            ref = full_forward_logprobs(model, prompt, out.token_ids)
+            assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+        results[budget] = outs
+    assert [o.token_ids for o in results[1]] == [o.token_ids for o in results[16384]]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_row_and_input_major_weights_give_the_same_outputs(kind):
+    """On CPU each fused projection is stored [out, in] or [in, out], whichever MKL runs faster at decode size
+    (weight_layout="auto"); both layouts must give the same tokens and log-probs, and the model's own
+    parameters (views of the fused matrices) must still be the weights HF's forward uses."""
+    outs = {}
+    for layout in ("row", "input"):
+        model = make_model(kind, seed=22)
+        gen = Generator(model, max_batch_size=3, max_seq_len=40, weight_layout=layout)
+        strides = {model.model.layers[0].mlp.down_proj.weight.stride()}
+        assert strides == ({(COMMON["intermediate_size"], 1)} if layout == "row" else {(1, COMMON["hidden_size"])})
+        outs[layout] = gen.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=8, seed=5))
+        for prompt, out in zip(PROMPTS, outs[layout]):
+            ref = full_forward_logprobs(model, prompt, out.token_ids)
+            assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+    assert [o.token_ids for o in outs["row"]] == [o.token_ids for o in outs["input"]]
+    diff = max(abs(a - b) for r, i in zip(outs["row"], outs["input"]) for a, b in zip(r.logprobs, i.logprobs))
+    assert diff < 1e-5
+    with pytest.raises(ValueError, match="weight_layout"):
+        Generator(make_model(kind), weight_layout="column")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_is_hf_bit_for_bit(dtype):
+    """Our norm (F.rms_norm for fp32, HF's arithmetic written out for bf16) gives exactly HF's bits."""
+    from rollout import _rms_norm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    torch.manual_seed(23)
+    for hidden, shape in [(64, (32, 1)), (256, (5, 37)), (896, (300,))]:
+        norm = LlamaRMSNorm(hidden, eps=1e-6).to(dtype)
+        with torch.no_grad():
+            norm.weight.copy_(torch.randn(hidden))
+        x = (3 * torch.randn(*shape, hidden)).to(dtype)
+        assert torch.equal(_rms_norm(norm, x), norm(x))
+
+
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
 def test_rope_table_and_per_step_rotary_match_hf(rope_type):
     """'linear' RoPE goes through the precomputed cos/sin table, 'dynamic' through the model's rotary module
@@ -297,12 +355,13 @@ def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
             assert abs(lp - (ref_old[j] if j < first_new else ref_new[j])) < 1e-4
 
 
+@pytest.mark.parametrize("layout", ["row", "input"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_fused_projections_follow_every_write_to_the_model(kind):
+def test_fused_projections_follow_every_write_to_the_model(kind, layout):
     """q/k/v and gate/up run as one GEMM each over matrices the model's parameters are views of: a second
     Generator on the same model, update_weights through either, and load_state_dict all reach them."""
     model = make_model(kind, seed=13)
-    first = Generator(model, max_batch_size=2, max_seq_len=40)
+    first = Generator(model, max_batch_size=2, max_seq_len=40, weight_layout=layout)
     second = Generator(model, max_batch_size=2, max_seq_len=40)        # e.g. the rollout rank's eval generator
     params = SamplingParams(temperature=0, max_new_tokens=8)
     for weights, write in [(perturbed_state_dict(model, seed=14), lambda w: first.update_weights(w, version=1)),
