@@ -31,11 +31,12 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 
+from model_ops import ROPE_TABLE_TYPES, fuse_linears, input_major_is_faster, layer_windows, rms_norm, rope, signed_sin
 from sampler import sample_tokens, seed_hash, uniform_from_hash
 
 try:  # optional: flash-attn's in-place KV-cache decode kernel (GPU only)
@@ -45,8 +46,6 @@ except ImportError:  # pragma: no cover - not installed on CPU machines
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024   # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
-ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")   # cos/sin depend on the position only
-RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")   # x * rsqrt(mean x^2 + eps) * w
 
 
 # ----------------------------------------------------------------------------- public data types
@@ -129,101 +128,6 @@ class _PrefillChunk:
     read_rows: torch.Tensor     # ... that receive these rows of the chunk's k/v ([n * length * kv_heads, D])
 
 
-# ----------------------------------------------------------------------------- the model pieces
-
-def _signed_sin(sin: torch.Tensor) -> torch.Tensor:
-    """sin with rotate_half's sign folded in: rotate_half(x) * sin == roll(x, D/2) * signed_sin, bit for bit."""
-    half = sin.shape[-1] // 2
-    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
-
-
-def _rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
-
-
-def _rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """The HF RMSNorm (fp32 statistics, weight applied in the input dtype) with fewer ops: at decode sizes
-    each op is a ~10 us dispatch on CPU and there are 2 norms per layer. For fp32 input `F.rms_norm` is one
-    kernel with the same bits (tested); for bf16 HF rounds before the weight, so its arithmetic is written out."""
-    if type(norm).__name__ not in RMS_NORM_CLASSES:
-        return norm(x)
-    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
-        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
-    h = x.float()
-    inv_rms = h.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
-    return norm.weight * (h * inv_rms).to(x.dtype)
-
-
-def _layer_windows(config, n_layers: int) -> list[int | None]:
-    """Sliding-window size per layer (None = full attention), read the way HF reads it."""
-    window = getattr(config, "sliding_window", None)
-    layer_types = getattr(config, "layer_types", None)
-    if layer_types is not None:
-        return [window if t == "sliding_attention" else None for t in layer_types[:n_layers]]
-    return [window] * n_layers
-
-
-_INPUT_MAJOR_FASTER: dict[tuple, bool] = {}
-
-
-def _input_major_is_faster(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> bool:
-    """CPU: is x @ W faster with W stored [in, out] than [out, in] (an nn.Linear's), at decode size?
-
-    MKL's small-GEMM speed depends on the weight's layout, both ways and by shape: with 32 rows and 1 thread,
-    weights streamed from memory, gate/up took 474 vs 592 us input-major (tiny model) and 1.9 vs 2.3 ms
-    (34M config) while down_proj was 8-15% slower. So each shape is timed once per process, both layouts
-    interleaved over ~16 MB of weight copies (in a decode step the weights come from memory, not cache), best
-    of 5, and input-major must win by 5%. Both layouts give the same bits here (MKL); the tests run both."""
-    key = (out_features, in_features, rows, dtype)
-    if key not in _INPUT_MAJOR_FASTER:
-        copies = max(2, (16 << 20) // (out_features * in_features * dtype.itemsize))
-        x = torch.randn(rows, in_features, dtype=dtype)
-        layouts = {"row": [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]}
-        layouts["input"] = [w.t().contiguous().t() for w in layouts["row"]]
-        best = {}
-        for _ in range(5):
-            for name, weights in layouts.items():
-                t0 = time.perf_counter()
-                for w in weights:
-                    F.linear(x, w)
-                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
-        _INPUT_MAJOR_FASTER[key] = best["input"] < 0.95 * best["row"]
-    return _INPUT_MAJOR_FASTER[key]
-
-
-def _fuse_linears(linears: list[torch.nn.Linear], input_major: Callable[[int, int], bool]) \
-        -> tuple[torch.Tensor, torch.Tensor | None]:
-    """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
-    Returned as an [out, in] view like an nn.Linear weight. The layers' parameters become views of it, so
-    whatever writes them (update_weights, load_state_dict, another Generator on the same model) writes the
-    fused matrix too, and no memory is duplicated. `input_major(out, in)` says whether to store it [in, out]."""
-    def cols():
-        col = 0
-        for lin in linears:
-            yield lin, slice(col, col + lin.out_features)
-            col += lin.out_features
-
-    fused = getattr(linears[0], "_fused", None)   # a Generator built on this model before
-    if fused is not None and all(
-            lin.weight.data_ptr() == fused[0][r].data_ptr() and lin.weight.stride() == fused[0][r].stride() and
-            (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr()) for lin, r in cols()):
-        return fused
-    weight = torch.cat([lin.weight.detach() for lin in linears])
-    if input_major(*weight.shape):
-        weight = weight.t().contiguous().t()
-    bias = None
-    if any(lin.bias is not None for lin in linears):
-        bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-                          for lin in linears])
-    for lin, r in cols():
-        lin.weight.data = weight[r]
-        if lin.bias is not None:
-            lin.bias.data = bias[r]
-    linears[0]._fused = (weight, bias)
-    return weight, bias
-
-
 class Generator:
     """Continuous-batching generator; see the module docstring for the protocol and conventions.
 
@@ -256,7 +160,7 @@ class Generator:
         self.n_kv_heads = config.num_key_value_heads
         self.scale = attn.scaling
         self.vocab_size = config.vocab_size
-        self.windows = _layer_windows(config, len(self.layers))
+        self.windows = layer_windows(config, len(self.layers))
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
         self.interrupt_mode, self.use_flash_attn = interrupt_mode, use_flash_attn
@@ -267,14 +171,14 @@ class Generator:
             weight_layout = "row"
 
         def input_major(out_features: int, in_features: int) -> bool:
-            return weight_layout == "input" or weight_layout == "auto" and _input_major_is_faster(
+            return weight_layout == "input" or weight_layout == "auto" and input_major_is_faster(
                 out_features, in_features, max_batch_size, self.dtype)
 
-        self.qkv = [_fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], input_major)
+        self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], input_major)
                     for l in self.layers]
-        self.gate_up = [_fuse_linears([l.mlp.gate_proj, l.mlp.up_proj], input_major) for l in self.layers]
-        self.o_proj = [_fuse_linears([l.self_attn.o_proj], input_major) for l in self.layers]
-        self.down_proj = [_fuse_linears([l.mlp.down_proj], input_major) for l in self.layers]
+        self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj], input_major) for l in self.layers]
+        self.o_proj = [fuse_linears([l.self_attn.o_proj], input_major) for l in self.layers]
+        self.down_proj = [fuse_linears([l.mlp.down_proj], input_major) for l in self.layers]
         self.qkv_sizes = [self.n_heads * self.head_dim] + [self.n_kv_heads * self.head_dim] * 2
         # RoPE cos / signed sin of every cache position, computed once by the model's own rotary module
         # (exact: cos/sin are elementwise in the position); rope types that rescale with length are called per step.
@@ -282,7 +186,7 @@ class Generator:
         if getattr(self.rotary, "rope_type", None) in ROPE_TABLE_TYPES:
             cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
                                    torch.arange(max_seq_len, device=self.device).unsqueeze(0))
-            self.rope_table = (cos[0], _signed_sin(sin[0]))
+            self.rope_table = (cos[0], signed_sin(sin[0]))
 
         # The cache: per layer [slots, kv_heads, max_seq_len, head_dim], owned by us.
         shape = (max_batch_size, self.n_kv_heads, max_seq_len, self.head_dim)
@@ -311,15 +215,15 @@ class Generator:
         """Input norm, one fused q/k/v GEMM, RoPE; returns q, k, v as [B, heads, L, D]."""
         a = self.layers[i].self_attn
         b, n = x.shape[:2]
-        qkv = F.linear(_rms_norm(self.layers[i].input_layernorm, x), *self.qkv[i])
+        qkv = F.linear(rms_norm(self.layers[i].input_layernorm, x), *self.qkv[i])
         nq, nk, _ = self.qkv_sizes
         v = qkv[..., nq + nk:].view(b, n, -1, self.head_dim).transpose(1, 2)
         if hasattr(a, "q_norm"):   # Qwen3: per-head RMSNorm on q and k before RoPE
             q, k = (t.view(b, n, -1, self.head_dim) for t in qkv[..., :nq + nk].split([nq, nk], -1))
-            q, k = _rms_norm(a.q_norm, q).transpose(1, 2), _rms_norm(a.k_norm, k).transpose(1, 2)
-            return _rope(q, cos, sin), _rope(k, cos, sin), v
+            q, k = rms_norm(a.q_norm, q).transpose(1, 2), rms_norm(a.k_norm, k).transpose(1, 2)
+            return rope(q, cos, sin), rope(k, cos, sin), v
         # q and k are adjacent in the fused output: rotate them as one tensor
-        qk = _rope(qkv[..., :nq + nk].view(b, n, -1, self.head_dim).transpose(1, 2), cos, sin)
+        qk = rope(qkv[..., :nq + nk].view(b, n, -1, self.head_dim).transpose(1, 2), cos, sin)
         return qk[:, :self.n_heads], qk[:, self.n_heads:], v
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -327,13 +231,13 @@ class Generator:
         if self.rope_table is not None:
             return self.rope_table[0][positions], self.rope_table[1][positions]
         cos, sin = self.rotary(x, positions)
-        return cos, _signed_sin(sin)
+        return cos, signed_sin(sin)
 
     def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj, residual, MLP, residual; attn_out [rows, L, heads * D]."""
         layer = self.layers[i]
         x = x + F.linear(attn_out, *self.o_proj[i])
-        gate, up = F.linear(_rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
+        gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
         return x + F.linear(layer.mlp.act_fn(gate).mul_(up), *self.down_proj[i])
 
     def _plan_prefill(self, reqs: list[_Request]) -> list[_PrefillChunk]:
@@ -441,7 +345,7 @@ class Generator:
             if chunk is not None and not last:
                 outs.append(self._prefill_attention(q[b:], k[b:], v[b:], n, length, window))
             x = self._finish_layer(i, x, outs[0] if len(outs) == 1 else torch.cat(outs))
-        return self._logits(_rms_norm(self.norm, x)[:, 0])
+        return self._logits(rms_norm(self.norm, x)[:, 0])
 
     def _decode_attention(self, i, q, positions, span, window, causal, kpos, masks, group) -> torch.Tensor:
         """Attention of one query row per slot over its cache rows; returns [B, 1, heads * D]."""

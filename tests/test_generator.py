@@ -125,7 +125,7 @@ def test_row_and_input_major_weights_give_the_same_outputs(kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_hf_bit_for_bit(dtype):
     """Our norm (F.rms_norm for fp32, HF's arithmetic written out for bf16) gives exactly HF's bits."""
-    from rollout import _rms_norm
+    from model_ops import rms_norm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     torch.manual_seed(23)
     for hidden, shape in [(64, (32, 1)), (256, (5, 37)), (896, (300,))]:
@@ -133,7 +133,7 @@ def test_rms_norm_is_hf_bit_for_bit(dtype):
         with torch.no_grad():
             norm.weight.copy_(torch.randn(hidden))
         x = (3 * torch.randn(*shape, hidden)).to(dtype)
-        assert torch.equal(_rms_norm(norm, x), norm(x))
+        assert torch.equal(rms_norm(norm, x), norm(x))
 
 
 @pytest.mark.parametrize("rope_type", ["linear", "dynamic"])
