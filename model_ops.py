@@ -20,9 +20,10 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
 
 
-def rope(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
-    return x * cos + x.roll(x.shape[-1] // 2, -1) * signed_sin
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, D] rotated by cos and signed_sin(sin) [B, L, D]."""
+    cos, sin_signed = cos.unsqueeze(1), sin_signed.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
 def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:

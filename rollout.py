@@ -286,14 +286,14 @@ class Generator:
         seqs = [r.all_tokens[:-1] for r in reqs]
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
+        heads = torch.arange(self.n_kv_heads)
         dst, src = [], []   # cache rows (slot, kv head, position) <- rows (request, position, kv head) of k
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             tokens[i, :len(s)] = torch.tensor(s)
-            rows = torch.arange(len(s)).unsqueeze(1) * self.n_kv_heads + torch.arange(self.n_kv_heads) \
-                + i * length * self.n_kv_heads                               # [len, kv]
+            pos = torch.arange(len(s)).unsqueeze(1)                      # [len, 1]
             for slot in [r.slot] + sharers.get(id(r), []):
-                dst.append(self.kv_row_starts[slot].cpu() + torch.arange(len(s)).unsqueeze(1))
-                src.append(rows)
+                dst.append((slot * self.n_kv_heads + heads) * self.max_seq_len + pos)
+                src.append((i * length + pos) * self.n_kv_heads + heads)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         return _PrefillChunk(tokens.to(self.device), torch.cat(dst).view(-1).to(self.device),
                              torch.cat(src).view(-1).to(self.device))
@@ -323,31 +323,37 @@ class Generator:
             read_rows = torch.cat([torch.arange(b * kv, device=self.device), chunk.read_rows + b * kv])
         x = self.embed(tokens.unsqueeze(1))                      # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
-        kpos = self.cache_positions[:span].unsqueeze(0)
-        causal = kpos <= positions.unsqueeze(1)                  # [B, span]
-        masks: dict[int | None, torch.Tensor] = {}               # window -> additive mask [B * kv_heads, 1, span]
-        group = self.n_heads // kv
-        for i, layer in enumerate(self.layers):
+        masks = {} if b == 0 or self.use_flash_attn else \
+            {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
+        for i in range(len(self.layers)):
             q, k, v = self._qkv(i, x, cos, sin)                  # [rows, heads, 1, D]
             window = self.windows[i]
             # write every row's K/V first (index_copy_: a third of index_put's time), then attention reads the cache
             for cache, new in ((self.k_cache[i], k), (self.v_cache[i], v)):
                 new = new.reshape(-1, self.head_dim)
                 cache.view(-1, self.head_dim).index_copy_(0, write_rows, new if read_rows is None else new[read_rows])
-            last = i == len(self.layers) - 1
-            if last and chunk is not None:                       # only the prefill rows' cache is wanted
+            if i == len(self.layers) - 1 and chunk is not None:  # only the prefill rows' cache is wanted
                 if b == 0:
                     return None
-                x, q = x[:b], q[:b]
+                x, q, chunk = x[:b], q[:b], None
             outs = []
             if b:
-                outs.append(self._decode_attention(i, q[:b], positions, span, window, causal, kpos, masks, group))
-            if chunk is not None and not last:
+                outs.append(self._decode_attention(i, q[:b], positions, span, window, masks.get(window)))
+            if chunk is not None:
                 outs.append(self._prefill_attention(q[b:], k[b:], v[b:], n, length, window))
             x = self._finish_layer(i, x, outs[0] if len(outs) == 1 else torch.cat(outs))
         return self._logits(rms_norm(self.norm, x)[:, 0])
 
-    def _decode_attention(self, i, q, positions, span, window, causal, kpos, masks, group) -> torch.Tensor:
+    def _decode_mask(self, positions: torch.Tensor, span: int, window: int | None) -> torch.Tensor:
+        """Additive mask [B * kv_heads, 1, span]: each slot reads its own positions (within the window)."""
+        b = positions.shape[0]
+        kpos, qpos = self.cache_positions[:span].unsqueeze(0), positions.unsqueeze(1)
+        keep = (kpos <= qpos) if window is None else (kpos <= qpos) & (kpos > qpos - window)
+        return torch.zeros(b, self.n_kv_heads, 1, span, dtype=self.dtype, device=self.device) \
+            .masked_fill_(~keep.view(b, 1, 1, span), float("-inf")).view(-1, 1, span)
+
+    def _decode_attention(self, i: int, q: torch.Tensor, positions: torch.Tensor, span: int,
+                          window: int | None, mask: torch.Tensor | None) -> torch.Tensor:
         """Attention of one query row per slot over its cache rows; returns [B, 1, heads * D]."""
         b = q.shape[0]
         if self.use_flash_attn:
@@ -356,16 +362,12 @@ class Generator:
                 cache_seqlens=(positions + 1).to(torch.int32), softmax_scale=self.scale, causal=True,
                 window_size=(-1, -1) if window is None else (window - 1, 0))
             return out.reshape(b, 1, -1)
-        if window not in masks:
-            keep = causal if window is None else causal & (kpos > positions.unsqueeze(1) - window)
-            masks[window] = torch.zeros(b, self.n_kv_heads, 1, span, dtype=q.dtype, device=self.device) \
-                .masked_fill_(~keep.view(b, 1, 1, span), float("-inf")).view(-1, 1, span)
         # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
         # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
-        qg = q.reshape(b * self.n_kv_heads, group, self.head_dim)
+        qg = q.reshape(b * self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
         keys = self.k_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
         values = self.v_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
-        scores = torch.baddbmm(masks[window], qg, keys.transpose(1, 2), alpha=self.scale)
+        scores = torch.baddbmm(mask, qg, keys.transpose(1, 2), alpha=self.scale)
         probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
         return torch.bmm(probs, values).view(b, 1, -1)
 
@@ -433,7 +435,7 @@ class Generator:
         if not running:
             return []
         to_prefill = [r for r in running if r.needs_prefill]
-        chunks = []
+        riding = None
         if to_prefill:
             t0 = time.perf_counter()
             chunks = self._plan_prefill(to_prefill)
@@ -441,12 +443,12 @@ class Generator:
                 r.needs_prefill = False
             # the last chunk rides in the decode forward; earlier ones (over the token budget), and all of
             # them under a compiled static-shape decode step, run as prefill-only forwards
-            ride_along = 0 if self.static_decode else 1
-            for chunk in chunks[:len(chunks) - ride_along]:
+            if chunks and not self.static_decode:
+                riding = chunks.pop()
+            no_rows = torch.zeros(0, dtype=torch.long, device=self.device)
+            for chunk in chunks:
                 self.stats.prefill_forwards += 1
-                self._forward_eager(torch.zeros(0, dtype=torch.long, device=self.device),
-                                    torch.zeros(0, dtype=torch.long, device=self.device), 0, chunk)
-            chunks = chunks[len(chunks) - ride_along:]
+                self._forward_eager(no_rows, no_rows, 0, chunk)
             self.stats.prefill_seconds += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -455,8 +457,8 @@ class Generator:
         for r in running:
             tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], r.num_tokens - 1
         span = self.max_seq_len if self.static_decode else max(positions) + 1
-        args = (torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span)
-        logits = self._decode_forward(*args, chunks[0]) if chunks else self._decode_forward(*args)
+        logits = self._decode_forward(torch.tensor(tokens, device=self.device),
+                                      torch.tensor(positions, device=self.device), span, riding)
         new_tokens, new_logprobs = self._sample(logits, running)
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(running)
