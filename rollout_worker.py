@@ -7,8 +7,10 @@ Messages from the head (parallel/channel.py), handled between decode steps:
   eval     {version, prompt_ids}                   -> greedy accuracy on held-out prompts, answered at once
   stop     {}                                      -> answer `bye` and return
   abort    {reason}                                -> the run is over (the head has printed why): raise Aborted
-To the head: `result` (one finished group, with this rank's counters), `eval_result`, and `alive` (counters)
-whenever nothing else was sent for a while, so the head can tell a slow rank from a stuck one.
+To the head: `ready` once (model loaded, generator built, reward worker started: plan.rollout_timeout_s counts
+only from here, so a slow start is not mistaken for a stuck rank), `result` (one finished group, with this
+rank's counters), `eval_result`, and `alive` (counters) whenever nothing else was sent for a while, so the head
+can tell a slow rank from a stuck one.
 """
 from __future__ import annotations
 
@@ -19,7 +21,7 @@ import torch
 from buffer import Trajectory
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.weight_sync import receive_weights
-from reward_math import score
+from reward_math import score, warm_up
 from rollout import Generator, SamplingParams
 
 
@@ -32,6 +34,7 @@ class RolloutWorker:
     def __init__(self, cfg, model, tokenizer, train_rows: list[dict], test_rows: list[dict], head: int,
                  device: torch.device):
         self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
+        warm_up(wait=False)                           # math-verify's imports overlap the generator's set-up
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
         self.gen = Generator(model, max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
@@ -135,6 +138,8 @@ class RolloutWorker:
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
         handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
+        warm_up()                                     # a first slow-path score must not stall a decode step
+        self.send("ready", counters=self.counters())
         while True:
             idle = self.gen.num_unfinished() == 0
             t0 = time.monotonic()

@@ -16,7 +16,8 @@ The story of a run:
    from the latest complete one, truncating the logs back to it so every step is logged and trained once;
 5. every rank ends with barrier → destroy_process_group → flush → os._exit(0).
 
-Faults: every wait has a deadline. A rollout rank silent for plan.rollout_timeout_s while it owes work is
+Faults: every wait has a deadline. A rollout rank silent for plan.rollout_timeout_s while it owes work (counted from
+its `ready`: loading the model may take longer, up to plan.timeout_s) is
 dropped (its groups re-queued, the run continues with the others, and the head exits 3 at the end naming it, so
 the launcher reclaims the stuck process); a non-finite step is skipped (stop after train.max_nonfinite_steps in
 a row); bad input ends the run with one line `[rank R] error: ...` and exit code 2, and the head tells the other
@@ -156,6 +157,7 @@ class TrainHead:
         self.order = self._epoch_order(self.data_epoch)
         self.outstanding = {r: 0 for r in self.rollout_ranks}   # groups granted and not finished, per rank
         self.counters = {r: {} for r in self.rollout_ranks}     # latest counters reported by each rollout rank
+        self.ready_ranks: set[int] = set()                        # rollout ranks that have said `ready`
         self.weights_taken = {r: -1 for r in self.rollout_ranks}  # last weight version each rank acknowledged
         self.pending_eval: dict[int, dict] = {}                  # version -> {correct, total, expected, owed}
         self.evaluated: set[int] = set()
@@ -215,8 +217,10 @@ class TrainHead:
             self._finish_eval(msg["version"])
         elif kind == "weights_ok":
             self.note_weights_taken(src, msg["version"])
-        elif kind in ("bye", "alive"):
+        elif kind in ("bye", "alive", "ready"):
             self.counters[src] = msg["counters"]
+            if kind == "ready":
+                self.ready_ranks.add(src)
 
     def pump(self, timeout_s: float) -> None:
         msgs = self.channel.poll(timeout_s=timeout_s)
@@ -229,6 +233,15 @@ class TrainHead:
                 self.drop_rollout_rank(rank, f"silent for {self.cfg.plan.rollout_timeout_s:.0f}s")
         if time.monotonic() - self.last_command > self.cfg.plan.timeout_s / 4:
             self.command("wait")                  # the other train ranks' broadcast must not time out
+
+    def await_ready(self) -> None:
+        """Rollout ranks load the model and warm up at their own pace (plan.timeout_s, like any collective);
+        plan.rollout_timeout_s, the bound for a stuck rank, applies once they have said `ready`."""
+        deadline = time.monotonic() + self.cfg.plan.timeout_s
+        while missing := [r for r in self.rollout_ranks if r not in self.ready_ranks]:
+            if time.monotonic() > deadline:
+                raise PeerTimeout(missing, self.cfg.plan.timeout_s, "rollout ranks to load the model (`ready`)")
+            self.pump(timeout_s=0.5)              # owes nothing yet, so nobody is dropped for silence here
 
     def rollout_total(self, key: str) -> float:
         """A counter summed over the rollout ranks (their latest reports)."""
@@ -372,6 +385,7 @@ class TrainHead:
     def run(self) -> None:
         cfg = self.cfg
         start_version = self.buffer.version
+        self.await_ready()
         self.sync_weights()                           # rollout ranks start bitwise equal to the trainer
         if start_version == 0 or (cfg.logging.eval_every and start_version % cfg.logging.eval_every == 0):
             self.start_eval(start_version)            # (a resumed run redoes the eval its checkpoint preceded)

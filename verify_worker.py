@@ -184,7 +184,10 @@ def verify_with_timeout(answer: str, gold: str, timeout_s: float) -> str:
         return "timeout"
 
 
-def warm_up() -> None:
-    """Start the shared math-verify worker now, so the first slow-path score does not pay its startup."""
+def warm_up(wait: bool = True) -> None:
+    """Start the shared math-verify worker now, so the first slow-path score does not pay its startup.
+    wait=False only spawns it (its imports then overlap the caller's own start-up)."""
     with _shared_lock:
-        _shared().wait_ready()
+        verifier = _shared()
+        if wait:
+            verifier.wait_ready()

@@ -267,3 +267,69 @@ def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(wo
     # and capacity (1 + eta + 1) * B - 2 admitted = 4 filled up with two new groups
     in_flight = head.buffer.in_flight.values()
     assert sorted(t.group_id for t in in_flight) == [1, 3, 4, 5] and {(t.rank, t.admit_version) for t in in_flight} == {(1, 1)}
+
+
+class ScriptedChannel(RecordingChannel):
+    """Delivers scripted messages (seconds after creation, source rank, message); records what is sent."""
+
+    def __init__(self, peers, script):
+        super().__init__(peers)
+        self.t0, self.script = time.monotonic(), sorted(script, key=lambda x: x[0])
+
+    def poll(self, timeout_s=0.0, peers=None):
+        deadline = time.monotonic() + timeout_s
+        while True:
+            now = time.monotonic() - self.t0
+            due = [(src, msg) for at, src, msg in self.script if at <= now]
+            self.script = [x for x in self.script if x[0] > now]
+            if due or time.monotonic() >= deadline:
+                return due
+            time.sleep(0.01)
+
+    def silent_peers(self, seconds):      # nobody has spoken since creation: everyone is "silent"
+        return list(self.peers) if time.monotonic() - self.t0 > seconds else []
+
+
+def make_head(tmp_path, channel, *overrides):
+    import types
+
+    import torch
+
+    from checkpoint import CheckpointWriter
+    from config import load_config
+    from runlog import RunLog
+    from train import TrainHead
+    cfg = load_config(["train.prompts_per_step=2", "rollout.samples_per_prompt=1", "logging.progress=false",
+                       "logging.wandb=disabled", *overrides])
+    groups = types.SimpleNamespace(rollout_ranks=list(channel.peers), train_ranks=[0], train_group=None)
+    head = TrainHead(cfg, groups, None, [{"prompt_id": i} for i in range(20)], [], RunLog(cfg, tmp_path, {}),
+                     torch.device("cpu"), channel, CheckpointWriter(tmp_path, 2, None, None))
+    head.commands = []
+    head.command = head.commands.append          # no train followers in process (no process group)
+    return head
+
+
+def test_slow_start_is_not_a_stuck_rank(tmp_path):
+    """The CI failure of session 5: rollout ranks still loading when the head began counting
+    plan.rollout_timeout_s were dropped before step 1. A rank is only held to that bound after `ready`."""
+    ready = {"kind": "ready", "counters": {}}
+    channel = ScriptedChannel([1, 2], [(0.1, 1, ready), (1.5, 2, ready)])      # rank 2: 5x rollout_timeout_s
+    head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=30")
+    head.await_ready()
+    assert head.rollout_ranks == [1, 2] and head.ready_ranks == {1, 2}
+    assert not [m for m in channel.sent if m[1] == "abort"], channel.sent
+
+
+def test_rank_that_never_starts_is_named(tmp_path):
+    from parallel.channel import PeerTimeout
+    channel = ScriptedChannel([1, 2], [(0.1, 1, {"kind": "ready", "counters": {}})])
+    head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=1.5")
+    t0 = time.monotonic()
+    try:
+        head.await_ready()
+    except PeerTimeout as e:
+        assert "[2]" in str(e) and "ready" in str(e), str(e)
+    else:
+        raise AssertionError("await_ready returned without rank 2")
+    assert 1.5 <= time.monotonic() - t0 < 10
+    assert "wait" in head.commands               # the train followers were kept from timing out meanwhile
