@@ -6,6 +6,8 @@
 Workloads
   rl     RL-shaped: P prompts x 4 samples (256 requests by default), temperature 1.0, up to 256 new tokens,
          32 slots. HF is called the way a user calls it: batches of 32, left padding, do_sample=True.
+  rl-tail the same requests with the long-tailed lengths below instead of the model's own EOS (only for a
+         model that has one: the shipped tiny model's answers are all ~25 tokens, no tail).
   greedy fixed-length greedy: every request generates exactly --greedy-tokens tokens (no stop).
 
 Long tails. A trained model (exp/tiny-model) ends on its own EOS, and both generators stop on it.
@@ -167,9 +169,12 @@ def main() -> None:
     ap.add_argument("--greedy-tokens", type=int, default=128)
     ap.add_argument("--slots", type=int, default=32)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--workloads", default="rl,greedy")
+    ap.add_argument("--workloads", default="rl,rl-tail,greedy")
     ap.add_argument("--repeats", type=int, default=1, help="runs per engine (alternating); the fastest counts")
     args = ap.parse_args()
+    unknown = set(args.workloads.split(",")) - {"rl", "rl-tail", "greedy"}
+    if unknown:
+        raise SystemExit(f"--workloads: unknown {sorted(unknown)}; choose from rl, rl-tail, greedy")
     if args.requests % 4:
         raise SystemExit(f"--requests must be a multiple of 4 (prompts x 4 samples), got {args.requests}")
     torch.set_num_threads(args.threads)
@@ -193,12 +198,16 @@ def main() -> None:
         rng = random.Random(0)
         vocab = model.config.vocab_size
         for workload in args.workloads.split(","):
-            if workload == "rl":
+            if workload == "rl-tail" and not stop:
+                continue                  # a model without EOS runs the long-tailed lengths under "rl" already
+            if workload in ("rl", "rl-tail"):
                 base = make_prompts(name, args.requests // 4, rng, vocab)
                 prompts = [p for p in base for _ in range(4)]
-                limits = [args.max_new_tokens] * len(prompts) if stop else \
-                    long_tailed_limits(len(prompts), rng, args.max_new_tokens)
-                temperature, wl_stop = 1.0, stop
+                tail = workload == "rl-tail" or not stop
+                # within the model's positions (the tiny model has 256; its own answers never get near them)
+                cap = min(args.max_new_tokens, model.config.max_position_embeddings - max(len(p) for p in prompts))
+                limits = long_tailed_limits(len(prompts), rng, cap) if tail else [args.max_new_tokens] * len(prompts)
+                temperature, wl_stop = 1.0, [] if tail else stop
             else:
                 prompts = make_prompts(name, args.greedy_requests, rng, vocab)
                 limits, temperature, wl_stop = [args.greedy_tokens] * len(prompts), 0.0, []
