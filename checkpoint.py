@@ -34,6 +34,7 @@ from pathlib import Path
 import torch
 
 from config import Config, mismatched_keys, to_dict
+from runlog import LOGS, RunLog, run_directory
 
 CHECKPOINTS = "checkpoints"
 MARKER = "COMPLETE"
@@ -239,3 +240,18 @@ def _fsync_tree(root: Path) -> None:
         for f in files:
             _fsync_file(Path(dirpath) / f)
         _fsync_dir(Path(dirpath))
+
+
+def open_run(cfg: Config, checkpoint: Path | None, state: dict | None, plan: dict) -> RunLog:
+    """The run directory and its logs; on resume, logs are cut back to the checkpoint (exactly once)."""
+    if checkpoint is not None:
+        run_dir = run_dir_of(checkpoint)
+        dropped = truncate_logs(run_dir, state["log_sizes"])
+        retired = CheckpointWriter(run_dir, 0, None, None).retire_after(state["version"])
+        print(f"hexrl: resuming from {checkpoint} (step {state['version']}); dropped {dropped} bytes of log "
+              f"written after it; set aside later checkpoints {[p.name for p in retired]}", flush=True)
+        return RunLog(cfg, run_dir, plan, step_offset=state["version"], wandb_id=state["wandb_id"])
+    run_dir = run_directory(cfg)
+    if cfg.checkpoint.resume == "auto":          # a crash before the first checkpoint: start the logs again
+        truncate_logs(run_dir, {name: 0 for name in LOGS})
+    return RunLog(cfg, run_dir, plan)

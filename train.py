@@ -16,12 +16,12 @@ The story of a run:
    from the latest complete one, truncating the logs back to it so every step is logged and trained once;
 5. every rank ends with barrier → destroy_process_group → flush → os._exit(0).
 
-Faults: every wait has a deadline. A rollout rank silent for plan.rollout_timeout_s while it owes work (counted from
-its `ready`: loading the model may take longer, up to plan.timeout_s) is
-dropped (its groups re-queued, the run continues with the others, and the head exits 3 at the end naming it, so
-the launcher reclaims the stuck process); a non-finite step is skipped (stop after train.max_nonfinite_steps in
-a row); bad input ends the run with one line `[rank R] error: ...` and exit code 2, and the head tells the other
-ranks to stop (`abort`) so none waits forever.
+Faults: every wait has a deadline. A rollout rank silent for plan.rollout_timeout_s while it owes work (counted
+from its `ready`: loading the model may take up to plan.timeout_s) is dropped (its groups re-queued, the run
+continues with the others, and the head exits 3 at the end naming it, so the launcher reclaims the stuck
+process); a non-finite step is skipped (stop after train.max_nonfinite_steps in a row); bad input ends the run
+with one line `[rank R] error: ...` and exit code 2, and the head tells the other ranks to stop (`abort`) so
+none waits forever.
 """
 from __future__ import annotations
 
@@ -37,13 +37,13 @@ import torch
 import torch.distributed as dist
 
 from buffer import StalenessBuffer, Trajectory, group_advantages
-from checkpoint import (CheckpointError, CheckpointWriter, find_resume, load_head_state, load_train_shard,
-                        run_dir_of, save_train_shard, truncate_logs)
+from checkpoint import (CheckpointError, CheckpointWriter, find_resume, load_head_state, load_train_shard, open_run,
+                        save_train_shard)
 from config import Config, ConfigError, load_config, to_dict
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.rankmap import RankMapError, check_plan, default_plan, load_plan
 from parallel.weight_sync import WeightSender, WeightSyncError
-from runlog import LOGS, RunLog, run_directory
+from runlog import RunLog
 from tasks import load_task
 
 
@@ -501,21 +501,6 @@ def resolve_resume(cfg: Config, groups) -> tuple[Path | None, dict | None]:
     if "error" in msg:
         raise Aborted(msg["error"])
     return (Path(msg["path"]) if msg["path"] else None), None
-
-
-def open_run(cfg: Config, checkpoint: Path | None, state: dict | None, plan: dict) -> RunLog:
-    """The run directory and its logs; on resume, logs are cut back to the checkpoint (exactly once)."""
-    if checkpoint is not None:
-        run_dir = run_dir_of(checkpoint)
-        dropped = truncate_logs(run_dir, state["log_sizes"])
-        retired = CheckpointWriter(run_dir, 0, None, None).retire_after(state["version"])
-        print(f"hexrl: resuming from {checkpoint} (step {state['version']}); dropped {dropped} bytes of log "
-              f"written after it; set aside later checkpoints {[p.name for p in retired]}", flush=True)
-        return RunLog(cfg, run_dir, plan, step_offset=state["version"], wandb_id=state["wandb_id"])
-    run_dir = run_directory(cfg)
-    if cfg.checkpoint.resume == "auto":          # a crash before the first checkpoint: start the logs again
-        truncate_logs(run_dir, {name: 0 for name in LOGS})
-    return RunLog(cfg, run_dir, plan)
 
 
 # ---------------------------------------------------------------------------------------------- main

@@ -221,27 +221,34 @@ class RecordingSender:
         self.receivers.discard(rank)
 
 
+def make_head(tmp_path, channel, *overrides):
+    import types
+
+    import torch
+
+    from checkpoint import CheckpointWriter
+    from config import load_config
+    from runlog import RunLog
+    from train import TrainHead
+    cfg = load_config(["train.prompts_per_step=2", "rollout.samples_per_prompt=1", "logging.progress=false",
+                       "logging.wandb=disabled", *overrides])
+    groups = types.SimpleNamespace(rollout_ranks=list(channel.peers), train_ranks=[0], train_group=None)
+    head = TrainHead(cfg, groups, None, [{"prompt_id": i} for i in range(20)], [], RunLog(cfg, tmp_path, {}),
+                     torch.device("cpu"), channel, CheckpointWriter(tmp_path, 2, None, None))
+    head.commands = []
+    head.command = head.commands.append          # no train followers in process (no process group)
+    return head
+
+
 def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(world_of_one, tmp_path):
     """The CI failure of session 2, deterministically: the head has taken batch 1 (version 0 -> 1) and waits for
     every rank to acknowledge version 0's weights before sending version 1's. Rank 2 never does, so it is dropped
     during that wait and its groups are re-queued -- but no group may be granted before version 1's weights are
     out, or rank 1 would generate version-1 groups with version-0 weights (staleness v - 2 > eta = 1)."""
-    import types
-
-    import torch
-
     from buffer import Trajectory
-    from checkpoint import CheckpointWriter
-    from config import load_config
-    from runlog import RunLog
-    from train import TrainHead
 
-    cfg = load_config(["train.prompts_per_step=2", "rollout.samples_per_prompt=1", "staleness.max_staleness=1",
-                       "plan.rollout_timeout_s=0.3", "logging.progress=false", "logging.wandb=disabled"])
-    groups = types.SimpleNamespace(rollout_ranks=[1, 2], train_ranks=[0], train_group=None)
     channel = RecordingChannel([1, 2])
-    head = TrainHead(cfg, groups, None, [{"prompt_id": i} for i in range(20)], [], RunLog(cfg, tmp_path, {}),
-                     torch.device("cpu"), channel, CheckpointWriter(tmp_path, 2, None, None))
+    head = make_head(tmp_path, channel, "staleness.max_staleness=1", "plan.rollout_timeout_s=0.3")
     head.sender, head.state_dict = RecordingSender(channel, [1, 2]), {}
     head.buffer.weights_sent(0)
     head.grant()                                              # (0 + eta + 1) * B = 4 groups, 2 per rank
@@ -288,25 +295,6 @@ class ScriptedChannel(RecordingChannel):
 
     def silent_peers(self, seconds):      # nobody has spoken since creation: everyone is "silent"
         return list(self.peers) if time.monotonic() - self.t0 > seconds else []
-
-
-def make_head(tmp_path, channel, *overrides):
-    import types
-
-    import torch
-
-    from checkpoint import CheckpointWriter
-    from config import load_config
-    from runlog import RunLog
-    from train import TrainHead
-    cfg = load_config(["train.prompts_per_step=2", "rollout.samples_per_prompt=1", "logging.progress=false",
-                       "logging.wandb=disabled", *overrides])
-    groups = types.SimpleNamespace(rollout_ranks=list(channel.peers), train_ranks=[0], train_group=None)
-    head = TrainHead(cfg, groups, None, [{"prompt_id": i} for i in range(20)], [], RunLog(cfg, tmp_path, {}),
-                     torch.device("cpu"), channel, CheckpointWriter(tmp_path, 2, None, None))
-    head.commands = []
-    head.command = head.commands.append          # no train followers in process (no process group)
-    return head
 
 
 def test_slow_start_is_not_a_stuck_rank(tmp_path):
