@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 
 from tiny import ENV, ROOT
 
@@ -313,11 +314,8 @@ def test_rank_that_never_starts_is_named(tmp_path):
     channel = ScriptedChannel([1, 2], [(0.1, 1, {"kind": "ready", "counters": {}})])
     head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=1.5")
     t0 = time.monotonic()
-    try:
+    with pytest.raises(PeerTimeout) as raised:
         head.await_ready()
-    except PeerTimeout as e:
-        assert "[2]" in str(e) and "ready" in str(e), str(e)
-    else:
-        raise AssertionError("await_ready returned without rank 2")
+    assert "[2]" in str(raised.value) and "ready" in str(raised.value), str(raised.value)
     assert 1.5 <= time.monotonic() - t0 < 10
     assert "wait" in head.commands               # the train followers were kept from timing out meanwhile
