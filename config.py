@@ -55,6 +55,9 @@ class RolloutConfig:
     max_batch_size: int = 64              # generator slots per rollout rank
     max_seq_len: int = 128
     interrupt_mode: str = "recompute"     # recompute (exact, AReaL) | keep (reuse stale KV cache)
+    compile_decode: str = "auto"          # auto (CUDA graphs on a GPU) | always | never
+    flash_attn: str = "never"             # auto (on a GPU when flash-attn is installed) | always | never;
+                                          # opt-in: no GPU we had could install flash-attn, so it is untested
     max_queued_groups: int = 16           # groups granted to one rollout rank but not yet finished
     reward_correct: float = 1.0
     reward_wrong: float = 0.0
@@ -237,6 +240,8 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1"),
         (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
         (cfg.rollout.interrupt_mode in ("recompute", "keep"), "rollout.interrupt_mode must be recompute|keep"),
+        (cfg.rollout.compile_decode in ("auto", "always", "never"), "rollout.compile_decode must be auto|always|never"),
+        (cfg.rollout.flash_attn in ("auto", "always", "never"), "rollout.flash_attn must be auto|always|never"),
         (cfg.data.on_bad_row in ("skip", "fail"), "data.on_bad_row must be skip|fail"),
         (cfg.logging.wandb in ("offline", "online", "disabled"), "logging.wandb must be offline|online|disabled"),
         (cfg.train.ppo_minibatches >= 1, "train.ppo_minibatches must be >= 1"),

@@ -48,6 +48,20 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024   # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
 
 
+def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: str = "never") -> dict:
+    """Generator keyword arguments from "auto" | "always" | "never" (not on/off: YAML reads those as booleans).
+
+    compile_decode="auto" compiles the decode step into CUDA graphs on a GPU, where the eager step is bound by
+    kernel launches (H200, tiny model, RL workload: 4.4-4.7x HF generate compiled, 2.0x eager), and stays eager
+    on CPU, where the static compiled step (every slot, the whole cache length, prefill in separate forwards)
+    was slower (3.56 s vs 2.48 s eager). flash_attn="auto" uses flash-attn's KV-cache kernel on a GPU when it
+    is installed; it is opt-in because it is untested (no GPU we had could install it)."""
+    on_gpu = device.type == "cuda"
+    flash_ok = on_gpu and flash_attn_with_kvcache is not None
+    return dict(compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu,
+                use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok)
+
+
 # ----------------------------------------------------------------------------- public data types
 
 @dataclass
@@ -207,6 +221,14 @@ class Generator:
         self._decode_forward = self._forward_eager
         if compile_decode:
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
+            if self.device.type == "cuda":
+                # A CUDA graph replays fixed addresses. Tensors that are not parameters would otherwise be copied
+                # into the graph's own input buffers on every replay: the whole cache and the fused weights.
+                fused = [t for pair in self.qkv + self.gate_up + self.o_proj + self.down_proj for t in pair]
+                for t in [*self.k_cache, *self.v_cache, *fused, self.cache_positions, self.kv_row_starts,
+                          *(self.rope_table or ())]:
+                    if t is not None:
+                        torch._dynamo.mark_static_address(t)
             self._decode_forward = torch.compile(self._forward_eager, mode=mode, dynamic=False)
 
     # ------------------------------------------------------------------ the transformer, our way
@@ -457,6 +479,8 @@ class Generator:
         for r in running:
             tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], r.num_tokens - 1
         span = self.max_seq_len if self.static_decode else max(positions) + 1
+        if self.static_decode and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()   # the last step's logits are consumed: reuse their memory
         logits = self._decode_forward(torch.tensor(tokens, device=self.device),
                                       torch.tensor(positions, device=self.device), span, riding)
         new_tokens, new_logprobs = self._sample(logits, running)

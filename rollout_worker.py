@@ -22,7 +22,7 @@ from buffer import Trajectory
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.weight_sync import receive_weights
 from reward_math import score, warm_up
-from rollout import Generator, SamplingParams
+from rollout import Generator, SamplingParams, gpu_options
 
 
 def request_seed(base: int, group_id: int, sample_idx: int) -> int:
@@ -37,8 +37,9 @@ class RolloutWorker:
         warm_up(wait=False)                           # math-verify's imports overlap the generator's set-up
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
+        self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn)
         self.gen = Generator(model, max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
-                             interrupt_mode=cfg.rollout.interrupt_mode)
+                             interrupt_mode=cfg.rollout.interrupt_mode, **self.gpu_options)
         self.eval_gen: Generator | None = None
         self.channel = Channel([head])
         self.open_groups: dict[int, dict] = {}        # group_id -> {prompt_id, outs: {sample: Trajectory}}
@@ -91,7 +92,7 @@ class RolloutWorker:
     def on_eval(self, msg: dict) -> None:
         if self.eval_gen is None:     # a second cache over the same (shared) weights
             self.eval_gen = Generator(self.model, max_batch_size=self.cfg.rollout.max_batch_size,
-                                      max_seq_len=self.cfg.rollout.max_seq_len)
+                                      max_seq_len=self.cfg.rollout.max_seq_len, **self.gpu_options)
         self.eval_gen.version = self.gen.version
         ids = msg["prompt_ids"]
         greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,

@@ -67,6 +67,9 @@ def init_distributed(cfg: Config) -> torch.device:
     timeout = datetime.timedelta(seconds=cfg.plan.timeout_s)
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
+        if local >= torch.cuda.device_count():   # NCCL refuses two ranks on one GPU
+            raise SetupError(f"local rank {local} has no GPU of its own: {torch.cuda.device_count()} visible on this "
+                             f"node; hexrl runs one rank per GPU (--nproc_per_node=<GPUs per node>)")
         torch.cuda.set_device(local)
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
         return torch.device("cuda", local)

@@ -25,6 +25,8 @@ def test_unknown_key_names_the_closest(arg, needle):
     ("train.total_steps=abc", "train.total_steps' expects int"),
     ("train.recompute_prox_logprobs=7", "expects bool"),
     ("staleness.max_staleness=-1", "max_staleness must be >= 0"),
+    ("rollout.compile_decode=sometimes", "rollout.compile_decode must be auto\\|always\\|never"),
+    ("rollout.flash_attn=maybe", "rollout.flash_attn must be auto\\|always\\|never"),
     ("lr", "not of the form key=value"),
     ("config=nope", "config 'nope' not found"),
 ])

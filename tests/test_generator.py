@@ -355,6 +355,36 @@ def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
             assert abs(lp - (ref_old[j] if j < first_new else ref_new[j])) < 1e-4
 
 
+def test_compiled_decode_step_matches_hf_and_follows_weight_swaps():
+    """compile_decode=True: the decode step under torch.compile (on GPU as CUDA graphs: tests/test_gpu.py), with
+    static shapes -- every slot, the whole cache length -- and prefill as separate eager forwards. Greedy equals
+    HF generate with slot refills, log-probs match the full forward, and update_weights mid-generation reaches
+    the compiled step: later tokens are exactly the new weights' and carry the new version."""
+    model = make_model("mistral", seed=8)     # sliding window: the static step's masks cover it too
+    gen = Generator(model, max_batch_size=3, max_seq_len=40, compile_decode=True)
+    for prompt, out in zip(PROMPTS, gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))):
+        assert out.token_ids == hf_greedy(model, prompt, 10)
+        ref = full_forward_logprobs(model, prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+    for i, p in enumerate(PROMPTS):
+        gen.add_request(i, p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i))
+    done = {}
+    for _ in range(4):
+        done.update((o.request_id, o) for o in gen.step())
+    gen.update_weights(perturbed_state_dict(model, seed=2), version=1)
+    while gen.num_unfinished():
+        done.update((o.request_id, o) for o in gen.step())
+    swapped = 0
+    for i, p in enumerate(PROMPTS):
+        out = done[i]
+        cut = out.versions.index(1) if 1 in out.versions else len(out.token_ids)
+        assert out.versions == [0] * cut + [1] * (len(out.token_ids) - cut)
+        ref = full_forward_logprobs(model, p, out.token_ids)    # the model holds the new weights now
+        assert max([abs(a - b) for a, b in zip(ref[cut:], out.logprobs[cut:])], default=0.0) < 1e-4
+        swapped += len(out.token_ids) - cut
+    assert swapped > 0
+
+
 @pytest.mark.parametrize("layout", ["row", "input"])
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_fused_projections_follow_every_write_to_the_model(kind, layout):
