@@ -40,7 +40,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, St
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout import Generator, SamplingParams  # noqa: E402
+from rollout import Generator, SamplingParams, gpu_options  # noqa: E402
 
 TINY_DIR = ROOT / "exp" / "tiny-model"
 RANDOM_CONFIGS = {   # random-init stand-ins when (or besides) the shipped tiny model
@@ -48,6 +48,9 @@ RANDOM_CONFIGS = {   # random-init stand-ins when (or besides) the shipped tiny 
                        num_key_value_heads=4, vocab_size=8192),
     "rand-30m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
                      num_key_value_heads=4, vocab_size=16384),
+    # the shape of Qwen2.5-1.5B / DeepSeek-R1-Distill-Qwen-1.5B (GPU: the paper's smallest model, bandwidth-bound)
+    "rand-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
+                      num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
 }
 
 
@@ -105,16 +108,16 @@ def long_tailed_limits(n: int, rng: random.Random, cap: int) -> list[int]:
     return [max(4, min(cap, round(math.exp(rng.gauss(math.log(40), 1.0))))) for _ in range(n)]
 
 
-def run_ours(model, prompts, limits, temperature, stop, slots, max_seq_len, seed=0):
-    gen = Generator(model, max_batch_size=slots, max_seq_len=max_seq_len)
+def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
     params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=lim,
                              stop_token_ids=stop, seed=seed + i) for i, lim in enumerate(limits)]
+    steps_before = gen.stats.decode_steps
     sync(gen.device)
     t0 = time.perf_counter()
     outs = gen.generate(prompts, params)
     sync(gen.device)
     seconds = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs), seconds, gen.stats.decode_steps
+    return sum(len(o.token_ids) for o in outs), seconds, gen.stats.decode_steps - steps_before
 
 
 def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
@@ -152,8 +155,9 @@ def load_model(name: str, device: torch.device, dtype: torch.dtype):
         stop = [model.config.eos_token_id]
     else:
         torch.manual_seed(0)
-        model = LlamaForCausalLM(LlamaConfig(**RANDOM_CONFIGS[name], max_position_embeddings=512,
-                                             eos_token_id=None, bos_token_id=None, pad_token_id=0))
+        with device:   # initialised where it runs (a 1.5B model's random init takes minutes on CPU)
+            model = LlamaForCausalLM(LlamaConfig(**RANDOM_CONFIGS[name], max_position_embeddings=512,
+                                                 eos_token_id=None, bos_token_id=None, pad_token_id=0))
         stop = []
     model.generation_config.eos_token_id = None   # only the stop ids we pass count, for both sides
     return model.to(device=device, dtype=dtype).eval(), stop
@@ -171,6 +175,10 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", default="rl,rl-tail,greedy")
     ap.add_argument("--repeats", type=int, default=1, help="runs per engine (alternating); the fastest counts")
+    ap.add_argument("--compile", default="auto", choices=["auto", "always", "never"],
+                    help="our decode step under torch.compile (CUDA graphs on GPU); auto: on a GPU")
+    ap.add_argument("--flash-attn", default="never", choices=["auto", "always", "never"],
+                    help="flash-attn's KV-cache decode kernel (untested); auto: on a GPU when installed")
     args = ap.parse_args()
     unknown = set(args.workloads.split(",")) - {"rl", "rl-tail", "greedy"}
     if unknown:
@@ -182,7 +190,7 @@ def main() -> None:
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak_flops, peak_gbs = measure_peaks(device, dtype)
     print(f"device {device} {dtype}, threads {args.threads}: peak matmul {peak_flops / 1e9:.1f} GFLOP/s, "
-          f"copy {peak_gbs:.1f} GB/s")
+          f"copy {peak_gbs:.1f} GB/s; ours: {gpu_options(device, args.compile, args.flash_attn)}")
 
     rows = []
     for name in args.models.split(","):
@@ -197,6 +205,7 @@ def main() -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         rng = random.Random(0)
         vocab = model.config.vocab_size
+        workloads = []   # (name, prompts, limits, temperature, stop ids)
         for workload in args.workloads.split(","):
             if workload == "rl-tail" and not stop:
                 continue                  # a model without EOS runs the long-tailed lengths under "rl" already
@@ -207,18 +216,21 @@ def main() -> None:
                 # within the model's positions (the tiny model has 256; its own answers never get near them)
                 cap = min(args.max_new_tokens, model.config.max_position_embeddings - max(len(p) for p in prompts))
                 limits = long_tailed_limits(len(prompts), rng, cap) if tail else [args.max_new_tokens] * len(prompts)
-                temperature, wl_stop = 1.0, [] if tail else stop
+                workloads.append((workload, prompts, limits, 1.0, [] if tail else stop))
             else:
                 prompts = make_prompts(name, args.greedy_requests, rng, vocab)
-                limits, temperature, wl_stop = [args.greedy_tokens] * len(prompts), 0.0, []
-            max_seq_len = max(len(p) for p in prompts) + max(limits)
-            run_ours(model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, max_seq_len)   # warm-up
+                workloads.append((workload, prompts, [args.greedy_tokens] * len(prompts), 0.0, []))
+        # one generator for all workloads, as a rollout rank keeps one; its first call compiles the decode step (GPU)
+        gen = Generator(model, max_batch_size=args.slots, max_seq_len=max(
+            max(len(p) for p in w[1]) + max(w[2]) for w in workloads), **gpu_options(device, args.compile, args.flash_attn))
+        for workload, prompts, limits, temperature, wl_stop in workloads:
+            run_ours(gen, prompts[:4], [8] * 4, temperature, wl_stop)   # warm-up
             run_hf(hf_model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, 0)
             best: dict[str, tuple[int, float, int]] = {}
             for _ in range(args.repeats):   # alternate engines; keep each one's fastest run (shared CPUs are noisy)
                 for engine in ("ours", "hf"):
                     if engine == "ours":
-                        result = run_ours(model, prompts, limits, temperature, wl_stop, args.slots, max_seq_len)
+                        result = run_ours(gen, prompts, limits, temperature, wl_stop)
                     else:
                         result = run_hf(hf_model, prompts, limits, temperature, wl_stop, args.slots, 0)
                     if engine not in best or result[1] < best[engine][1]:
