@@ -50,12 +50,8 @@ LM_HEAD_BLOCK = 1024   # vocabulary rows per LM-head GEMM on CPU (see Generator.
 
 def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: str = "never") -> dict:
     """Generator keyword arguments from "auto" | "always" | "never" (not on/off: YAML reads those as booleans).
-
-    compile_decode="auto" compiles the decode step into CUDA graphs on a GPU, where the eager step is bound by
-    kernel launches (H200, tiny model, RL workload: 4.4-4.7x HF generate compiled, 2.0x eager), and stays eager
-    on CPU, where the static compiled step (every slot, the whole cache length, prefill in separate forwards)
-    was slower (3.56 s vs 2.48 s eager). flash_attn="auto" uses flash-attn's KV-cache kernel on a GPU when it
-    is installed; it is opt-in because it is untested (no GPU we had could install it)."""
+    auto compiles the decode step into CUDA graphs on a GPU (launch-bound eager) but not on CPU (the static step
+    is slower there), and uses flash-attn on a GPU when installed (opt-in: untested). Numbers: exp/GENERATOR.md."""
     on_gpu = device.type == "cuda"
     flash_ok = on_gpu and flash_attn_with_kvcache is not None
     return dict(compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu,

@@ -43,15 +43,16 @@ PROMPTS = [[1, 5, 7, 9, 11], [3], [4, 8, 15, 16, 23, 42, 7], [10, 11], [12, 13, 
 def full_forward_logprobs(model, prompt, tokens, temperature=1.0):
     """Log-prob of each generated token from one full forward pass over prompt + tokens."""
     with torch.no_grad():
-        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+        logits = model(torch.tensor([prompt + tokens], device=model.device)).logits[0].float()
     logp = torch.log_softmax(logits / temperature, dim=-1)
     return [logp[len(prompt) - 1 + j, t].item() for j, t in enumerate(tokens)]
 
 
 def hf_greedy(model, prompt, max_new_tokens, stop=None):
+    ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=stop, pad_token_id=0)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=stop, pad_token_id=0)
     return out[0, len(prompt):].tolist()
 
 
