@@ -21,7 +21,10 @@ import mip
 
 import cost_model as cm
 from cost_model import Cluster, Efficiency, ModelSpec, ReplicaCost, StageSpec, Workload
-from parallel.rankmap import PlanError
+
+
+class PlanError(ValueError):
+    """No plan satisfies the inputs; the message names the violated constraint."""
 
 
 # ----------------------------------------------------------------------------- plan pieces

@@ -1,12 +1,18 @@
-"""Planner solve time vs cluster size (acceptance: <= 1 s at 24 GPUs, <= 6 s at 56, <= 60 s at 512).
+"""Planner solve time vs cluster size (acceptance: <= 1 s at 24 GPUs, <= 6 s at 56, <= 60 s at 512), and the time
+of the optimality check against --exhaustive (acceptance: <= 90 s).
 
-    python exp/bench_schedule.py            # prints one line per cluster; paper Table 5: 14.9 s, 23.1 s, 46.7 s, 2.0 min
+    python exp/bench_schedule.py    # one line per cluster (paper Table 5: 14.9 s, 23.1 s, 46.7 s, 2.0 min), then
+                                    # one line for the --exhaustive check
 
 Clusters: the shipped 24/32/40/56-GPU H800+H20 mixes and a 512-GPU one (16 H800 + 48 H20 machines of 8),
 model 7B, the reproduction workload. Time = the full two-phase solve (Algorithm 1 + refinement), imports excluded.
+
+Optimality check: the workload of tests/test_schedule.py::test_planner_matches_exhaustive_on_50_random_small_clusters
+(imported from it, so the two cannot drift apart): planner and brute force on the same 50 seeded random clusters.
 """
 from __future__ import annotations
 
+import math
 import sys
 import time
 from pathlib import Path
@@ -14,12 +20,15 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
+sys.path.insert(0, str(ROOT / "tests"))
 
 import cost_model as cm  # noqa: E402
 import schedule as sc  # noqa: E402
 from reproduce_paper import workload  # noqa: E402
+from test_schedule import SMALL_MODEL, WL, random_cluster  # noqa: E402
 
 LIMITS = {24: 1.0, 56: 6.0, 512: 60.0}
+EXHAUSTIVE_SEEDS, EXHAUSTIVE_LIMIT = 50, 90.0
 PAPER = {24: "14.9 s", 32: "23.1 s", 40: "46.7 s", 56: "2.0 min"}
 
 
@@ -50,6 +59,28 @@ def main() -> None:
         print(f"{n:>5} {secs:>8.2f} {limit:>6} {PAPER.get(n, ''):>8} {p.stats.iterations:>6} {p.stats.evaluations:>6} "
               f"{p.stats.milp_solves:>6} {ev.tokens_per_s:>9.0f}  train {roles}, dp{ev.train.dp} tp{ev.train.tp} "
               f"pp{ev.train.pp}{ok}")
+    bench_vs_exhaustive()
+
+
+def bench_vs_exhaustive() -> None:
+    solve_s = brute_s = 0.0
+    worst = (math.inf, -1)
+    t_all = time.perf_counter()
+    for seed in range(EXHAUSTIVE_SEEDS):
+        cluster = random_cluster(seed)
+        t0 = time.perf_counter()
+        fast = sc.Planner(cluster, SMALL_MODEL, WL).solve()
+        t1 = time.perf_counter()
+        brute = sc.Planner(cluster, SMALL_MODEL, WL).exhaustive()
+        t2 = time.perf_counter()
+        solve_s += t1 - t0
+        brute_s += t2 - t1
+        worst = min(worst, (fast.tokens_per_s / brute.tokens_per_s, seed))
+    secs = time.perf_counter() - t_all
+    ok = "ok" if secs <= EXHAUSTIVE_LIMIT else "SLOW"
+    print(f"\nplanner vs --exhaustive on {EXHAUSTIVE_SEEDS} random clusters (<= 12 GPUs): {secs:.1f} s "
+          f"(limit {EXHAUSTIVE_LIMIT:.0f} s) {ok}; planner {solve_s:.1f} s, exhaustive {brute_s:.1f} s; "
+          f"worst ratio {worst[0]:.4f} (seed {worst[1]})")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,9 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel.rankmap import PlanError
+
+class PlanError(ValueError):
+    """The rank map is inconsistent."""
 
 
 @dataclass

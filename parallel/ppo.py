@@ -26,7 +26,8 @@ def decoupled_ppo_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp:
 
     Returns pg (clipped surrogate, already multiplied by the behaviour weight and the loss mask),
     loss_mask (mask after cap masking, bool), clipped (bool, token where the clipped branch is active),
-    imp_weight (w = pi_prox / pi_behav, no grad).
+    imp_weight (w = pi_prox / pi_behav, no grad; 1 at tokens outside `mask`).
+    Tokens outside the loss mask contribute exactly 0 to pg and to its gradient, whatever values they hold.
     """
     shapes = {t.shape for t in (logp, prox_logp, behav_logp, advantages, mask)}
     if len(shapes) != 1:
@@ -34,18 +35,21 @@ def decoupled_ppo_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp:
     if clip_eps <= 0:
         raise ValueError(f"decoupled_ppo_loss: clip_eps must be > 0, got {clip_eps}")
     valid = mask.bool()
-    prox_logp = prox_logp.detach()
-    ratio = torch.exp(logp - prox_logp)
+    # Masked-out tokens (padding, capped weights) may hold arbitrary values; they are replaced by 0 *before* exp()
+    # and the products, because a torch.where on the output alone keeps the forward finite but its backward still
+    # multiplies 0 by the inf/nan of the unselected branch.
+    prox_logp = torch.where(valid, prox_logp.detach(), 0.0)
+    imp_weight = torch.exp(prox_logp - torch.where(valid, behav_logp.detach(), 0.0))
+    loss_mask = valid
+    if behav_imp_weight_cap is not None:
+        loss_mask = valid & (imp_weight <= behav_imp_weight_cap)
+    ratio = torch.exp(torch.where(loss_mask, logp, 0.0) - torch.where(loss_mask, prox_logp, 0.0))
+    advantages = torch.where(loss_mask, advantages, 0.0)
     clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * clipped_ratio
     pg = torch.maximum(pg_unclipped, pg_clipped)
-    imp_weight = torch.exp(prox_logp - behav_logp.detach()).detach()
-    loss_mask = valid
-    if behav_imp_weight_cap is not None:
-        loss_mask = valid & (imp_weight <= behav_imp_weight_cap)
-    # torch.where, not multiplication: a masked-out token must not leak inf/nan from exp() into the sum
-    pg = torch.where(loss_mask, pg * imp_weight, torch.zeros_like(pg))
+    pg = pg * torch.where(loss_mask, imp_weight, 0.0)
     clipped = (pg_clipped > pg_unclipped) & loss_mask
     return {"pg": pg, "loss_mask": loss_mask, "clipped": clipped, "imp_weight": imp_weight, "valid": valid}
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -142,8 +141,7 @@ def test_sync_time_is_linear_in_bytes_and_step_formula():
     assert cm.step_seconds(10, 7, 1, cm.Workload(eta=0)) == 18
 
 
-def test_cpu_profile_is_short_and_positive():
-    t0 = time.perf_counter()
+def test_cpu_profile_is_positive():
+    # its run time against the budget is measured by exp/bench_cost_model.py
     prof = cm.profile_cpu(1.0)
-    assert time.perf_counter() - t0 < 2.0
     assert prof["tflops"] > 0 and prof["hbm_tbps"] > 0

@@ -94,11 +94,33 @@ def test_cap_masks_tokens_but_keeps_denominator():
     assert stats["num_loss_tokens"] == 2 and stats["importance_weight_max"] == pytest.approx(math.e ** 2)
 
 
+def _loss_and_grad(logp, prox, behav, adv, mask, cap=None, num_valid_tokens=None):
+    lp = t(logp).requires_grad_()
+    loss, _ = decoupled_ppo_loss(lp, t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, cap, num_valid_tokens)
+    loss.backward()
+    return loss, lp.grad
+
+
 def test_masked_inf_does_not_leak():
-    # a padded token with a huge log-ratio must not turn the loss into nan/inf
-    loss, _ = decoupled_ppo_loss(t([-1.0, 500.0]), t([-1.0, -500.0]), t([-1.0, -1.0]), t([1.0, 1.0]),
-                                 t([True, False], torch.bool), 0.2)
+    # a padded token with a huge log-ratio must not turn the loss or its gradient into nan/inf
+    loss, grad = _loss_and_grad([-1.0, 500.0], [-1.0, -500.0], [-1.0, -1.0], [1.0, 1.0], [True, False])
     assert torch.isfinite(loss) and loss.item() == pytest.approx(-1.0)
+    assert torch.isfinite(grad).all() and grad[1].item() == 0.0
+    # the valid token alone, with the same denominator
+    ref_loss, ref_grad = _loss_and_grad([-1.0], [-1.0], [-1.0], [1.0], [True], num_valid_tokens=1)
+    assert loss.item() == ref_loss.item() and grad[0].item() == ref_grad[0].item()
+
+
+def test_capped_inf_weight_does_not_leak():
+    # token 1 is valid but its weight overflows to inf and is capped away; its gradient must be exactly 0
+    loss, grad = _loss_and_grad([-1.0, 500.0, -1.6], [-1.0, 400.0, -1.5], [-1.0, -1e4, -1.0], [1.0, -1.0, -0.5],
+                                [True, True, True], cap=5.0)
+    assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad[1].item() == 0.0
+    # the kept tokens alone, with the denominator that still counts the capped token
+    ref_loss, ref_grad = _loss_and_grad([-1.0, -1.6], [-1.0, -1.5], [-1.0, -1.0], [1.0, -0.5], [True, True],
+                                        num_valid_tokens=3)
+    assert loss.item() == ref_loss.item()
+    assert grad[[0, 2]].tolist() == ref_grad.tolist()
 
 
 def test_bad_inputs():
