@@ -21,10 +21,7 @@ import mip
 
 import cost_model as cm
 from cost_model import Cluster, Efficiency, ModelSpec, ReplicaCost, StageSpec, Workload
-
-
-class PlanError(ValueError):
-    """No plan satisfies the inputs; the message names the violated constraint."""
+from parallel.rankmap import PlanError
 
 
 # ----------------------------------------------------------------------------- plan pieces

@@ -32,7 +32,8 @@ import networkx as nx
 import cost_model as cm
 from cost_model import Cluster, Efficiency, ModelSpec, Workload
 from plan_io import calibrate, format_table, plot_plan, to_plan_json  # noqa: F401 (calibrate: public API)
-from plan_phases import PlanError, RolloutPlan, SplitPlanner, TrainPlan
+from parallel.rankmap import PlanError
+from plan_phases import RolloutPlan, SplitPlanner, TrainPlan
 
 
 # ----------------------------------------------------------------------------- plan pieces

@@ -41,7 +41,7 @@ from checkpoint import (CheckpointError, CheckpointWriter, find_resume, load_hea
                         save_train_shard)
 from config import Config, ConfigError, load_config, to_dict
 from parallel.channel import Aborted, Channel, PeerTimeout
-from parallel.rankmap import RankMapError, check_plan, default_plan, load_plan
+from parallel.rankmap import PlanError, check_plan, default_plan, load_plan
 from parallel.weight_sync import WeightSender, WeightSyncError
 from runlog import RunLog
 from tasks import load_task
@@ -574,7 +574,7 @@ def shutdown_cleanly(code: int) -> None:
 
 
 # Errors every rank meets identically (config, rank map, model path, data): only rank 0 prints them.
-SAME_ON_EVERY_RANK = (ConfigError, RankMapError, SetupError)
+SAME_ON_EVERY_RANK = (ConfigError, PlanError, SetupError)
 CLEAR_ERRORS = (CheckpointError, NonFiniteError, PeerTimeout, WeightSyncError, ValueError, OSError)
 
 

@@ -25,6 +25,7 @@ sys.path.insert(0, str(ROOT / "exp"))
 import cost_model as cm  # noqa: E402
 import schedule as sc  # noqa: E402
 import simulate as sim  # noqa: E402
+from parallel.rankmap import PlanError  # noqa: E402
 
 MODELS = {"1.5B": "deepseek-r1-distill-qwen-1.5b", "7B": "deepseek-r1-distill-qwen-7b", "14B": "deepseek-r1-distill-qwen-14b"}
 # paper values (reference notes §6): Fig. 4 seconds, Table 2 sync seconds, Fig. 3 tokens/s
@@ -136,7 +137,7 @@ def equal_throughput(eff: cm.Efficiency, h800_plans: dict, label: str) -> None:
         try:
             cheap = best("hetero_pool", model, eff, min_tokens_per_s=target)
             ours = f"${cheap['predicted']['dollars_per_hour']:.2f}/h ({cheap['world_size']} GPUs: {describe(cheap)})"
-        except sc.PlanError as e:
+        except PlanError as e:
             ours = f"none ({e})"
         h32 = best("hetero_32", model, eff)
         r32 = h32["predicted"]["tokens_per_s"] / target

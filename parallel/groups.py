@@ -18,9 +18,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-
-class PlanError(ValueError):
-    """The rank map is inconsistent."""
+from parallel.rankmap import PlanError
 
 
 @dataclass

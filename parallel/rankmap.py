@@ -12,8 +12,8 @@ import json
 from pathlib import Path
 
 
-class RankMapError(ValueError):
-    pass
+class PlanError(ValueError):
+    """The plan is unusable (unreadable, inconsistent, or infeasible); the message names the problem."""
 
 
 def split_layers(num_layers: int, pp: int) -> list[list[int]]:
@@ -28,10 +28,10 @@ def split_layers(num_layers: int, pp: int) -> list[list[int]]:
 
 def default_plan(world_size: int, num_layers: int, num_rollout: int = 0) -> dict:
     if world_size < 2:
-        raise RankMapError(f"hexrl needs at least 2 ranks (one rollout, one train), got world size {world_size}")
+        raise PlanError(f"hexrl needs at least 2 ranks (one rollout, one train), got world size {world_size}")
     n_roll = num_rollout or world_size // 2
     if not 1 <= n_roll < world_size:
-        raise RankMapError(f"plan.num_rollout={num_rollout} leaves no rollout or no train rank "
+        raise PlanError(f"plan.num_rollout={num_rollout} leaves no rollout or no train rank "
                            f"in a world of {world_size}")
     from parallel.groups import make_train_plan
 
@@ -42,11 +42,11 @@ def default_plan(world_size: int, num_layers: int, num_rollout: int = 0) -> dict
 def load_plan(path: str) -> dict:
     p = Path(path)
     if not p.exists():
-        raise RankMapError(f"plan file '{path}' does not exist")
+        raise PlanError(f"plan file '{path}' does not exist")
     try:
         return json.loads(p.read_text())
     except json.JSONDecodeError as e:
-        raise RankMapError(f"plan file '{path}' is not valid JSON: {e}") from None
+        raise PlanError(f"plan file '{path}' is not valid JSON: {e}") from None
 
 
 def check_plan(plan: dict, world_size: int, num_layers: int) -> None:
@@ -56,10 +56,10 @@ def check_plan(plan: dict, world_size: int, num_layers: int) -> None:
 
     n = plan.get("world_size")
     if n != world_size:
-        raise RankMapError(f"rank map is for world_size={n} but torchrun started {world_size} ranks")
+        raise PlanError(f"rank map is for world_size={n} but torchrun started {world_size} ranks")
     train, rollout, dp, tp, pp, stage_layers = validate_plan(plan)
     if not train or not rollout:
-        raise RankMapError(f"rank map needs at least one train and one rollout rank (train={train}, rollout={rollout})")
+        raise PlanError(f"rank map needs at least one train and one rollout rank (train={train}, rollout={rollout})")
     if stage_layers[-1][1] != num_layers:
-        raise RankMapError(f"rank map stages cover layers 0..{stage_layers[-1][1] - 1} "
+        raise PlanError(f"rank map stages cover layers 0..{stage_layers[-1][1] - 1} "
                            f"but the model has {num_layers} layers")

@@ -84,6 +84,38 @@ def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
             (tmp_path / "runs" / name / "ledger.jsonl").stat().st_size == 0, name
 
 
+def test_bad_plan_files_are_one_line(tmp_path, tiny_model_dir):
+    """A plan that is unreadable, or readable but inconsistent (parallel/groups.py's checks), fails the same way on
+    every rank: rank 0 reports it once, in the whole output of a 2-rank run, without a traceback."""
+    from parallel.groups import make_train_plan
+    not_json = tmp_path / "not_json.json"
+    not_json.write_text('{"world_size": 2, "ranks": [')
+    bad_role = make_train_plan(1, 1, 1, [(0, 2)], world_size=2)
+    bad_role["ranks"][1]["role"] = "generate"
+    bad_layout = make_train_plan(1, 1, 1, [(0, 2)], world_size=2)
+    bad_layout["ranks"][1].update(role="train", dp=0, tp=0, pp=0, layers=[0, 2])   # 2 train ranks, dp*tp*pp = 1
+    for name, plan in (("bad_role", bad_role), ("bad_layout", bad_layout)):
+        (tmp_path / f"{name}.json").write_text(json.dumps(plan))
+    cases = {"not_json": f"plan file '{not_json}' is not valid JSON",
+             "bad_role": "plan rank roles must be 'train' or 'rollout', got {1: 'generate'}",
+             "bad_layout": "plan has 2 train ranks but dp*tp*pp = 1*1*1 = 1"}
+    procs = {}
+    for name in cases:
+        procs[name] = start([f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'runs'}",
+                             f"logging.run_name={name}", "logging.progress=false", "plan.timeout_s=60",
+                             f"plan={tmp_path / f'{name}.json'}"], nproc=2)
+        time.sleep(1.0)
+    for name, proc in procs.items():
+        out, err = proc.communicate(timeout=240)
+        combined = out + err
+        assert proc.returncode != 0, name
+        assert combined.count(cases[name]) == 1, (name, combined[-3000:])
+        lines = error_lines(combined)
+        assert len(lines) == 1 and lines[0].startswith("[rank 0] error: ") and cases[name] in lines[0], \
+            (name, combined[-3000:])
+        assert not our_traceback(combined), (name, combined[-3000:])
+
+
 def test_bad_rows_skip_is_counted(tmp_path):
     from config import DataConfig
     from tasks import load_task

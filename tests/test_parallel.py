@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
-from parallel.groups import PlanError, build_groups, make_train_plan, validate_plan
+from parallel.groups import build_groups, make_train_plan, validate_plan
 from parallel.packing import balanced_partition, dynamic_microbatches
+from parallel.rankmap import PlanError
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
