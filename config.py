@@ -1,7 +1,7 @@
 """One typed config tree for hexrl, loaded from exp/configs/<name>.yaml and overridden by `key.sub=value`.
 
     python train.py                                  # exp/configs/cpu_demo.yaml
-    torchrun ... train.py config=gsm8k_qwen1.5b train.lr=2e-5 max_staleness=8 plan=plan.json resume=auto
+    torchrun ... train.py config=gpu_r1_1.5b train.lr=2e-5 max_staleness=8 plan=plan.json resume=auto
 
 Rules: every key must exist in the dataclasses below (an unknown key is an error naming the closest valid
 key); values are parsed as YAML scalars and type-checked against the field's annotation. A bare key that

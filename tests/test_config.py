@@ -1,6 +1,16 @@
+import re
+from pathlib import Path
+
 import pytest
 
-from config import ConfigError, load_config, mismatched_keys, to_dict
+import config
+from config import ConfigError, config_path, load_config, mismatched_keys, to_dict
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIG_ARG = re.compile(r"""(?<![\w.])config=["']?([^\s"'`\\]+)""")
+# exp/gpu_*_node.sh accept SIZE=1.5b|7b|14b and pass config=gpu_r1_$SIZE; the docs write it as <size>
+SIZE_PLACEHOLDER = re.compile(r"\$\{?SIZE\}?|<size>")
+SIZES = ("1.5b", "7b", "14b")
 
 
 def test_default_is_cpu_demo_and_overrides_apply():
@@ -39,6 +49,24 @@ def test_every_shipped_config_loads():
     from config import CONFIG_DIR
     for path in CONFIG_DIR.glob("*.yaml"):
         load_config([f"config={path.stem}"])
+
+
+def test_documented_config_names_exist():
+    """Every `config=<name>` in the README, exp/*.md, exp/*.sh and config.py's docstring resolves as in load_config."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "exp").glob("*.md")), *sorted((ROOT / "exp").glob("*.sh"))]
+    texts = {"config.py docstring": config.__doc__, **{str(p.relative_to(ROOT)): p.read_text() for p in docs}}
+    seen, missing = [], []
+    for where, text in texts.items():
+        for name in CONFIG_ARG.findall(text):
+            expansions = [SIZE_PLACEHOLDER.sub(s, name) for s in SIZES] if SIZE_PLACEHOLDER.search(name) else [name]
+            for expanded in expansions:
+                seen.append(expanded)
+                try:
+                    config_path(expanded)
+                except ConfigError as e:
+                    missing.append(f"{where}: config={name}: {e}")
+    assert len(seen) >= 5, seen                       # the pattern still finds the README's and the scripts' uses
+    assert not missing, "\n".join(missing)
 
 
 def test_mismatched_keys_ignores_resumable_ones():
