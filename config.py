@@ -59,6 +59,7 @@ class RolloutConfig:
     flash_attn: str = "never"             # auto (on a GPU when flash-attn is installed) | always | never;
                                           # opt-in: no GPU we had could install flash-attn, so it is untested
     max_queued_groups: int = 16           # groups granted to one rollout rank but not yet finished
+    max_pending_scores: int = 64          # finished requests awaiting their score; past it the rank waits for scores
     reward_correct: float = 1.0
     reward_wrong: float = 0.0
 

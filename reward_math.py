@@ -333,10 +333,21 @@ class RewardPool:
         self._in_flight += 1
         self._dispatch()
 
-    def poll(self) -> list[tuple[Hashable, ScoreDetails, float]]:
-        """Finished jobs since the last poll, in completion order. Never blocks."""
+    def wait_ready(self, startup_timeout_s: float = 120.0) -> None:
+        """Block until every worker has imported math-verify, so a first slow-path job does not pay for it."""
+        for worker in self._workers:
+            worker.wait_ready(startup_timeout_s)
+
+    def poll(self, wait_s: float = 0.0) -> list[tuple[Hashable, ScoreDetails, float]]:
+        """Finished jobs since the last poll, in completion order. With wait_s > 0, waits up to that long for at
+        least one (returns [] if none came); never blocks otherwise."""
+        deadline = time.monotonic() + wait_s
         self._collect()
         self._dispatch()
+        while not self._done and self._in_flight and time.monotonic() < deadline:
+            self._wait_for_workers(deadline)
+            self._collect()
+            self._dispatch()
         done, self._done = self._done, []
         return done
 
@@ -345,13 +356,17 @@ class RewardPool:
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
         results = self.poll()
         while self._in_flight and (deadline is None or time.monotonic() < deadline):
-            busy = [w for w in self._workers if w.job is not None]
-            if busy:  # sleep until some worker answers, at most 10 ms past the nearest deadline
-                select.select([w.process.stdout for w in busy], [], [], 0.01)
-            else:
-                time.sleep(0.005)
-            results += self.poll()
+            results += self.poll(wait_s=0.01 if deadline is None else max(0.0, deadline - time.monotonic()))
         return results
+
+    def _wait_for_workers(self, deadline: float) -> None:
+        """Sleep until a worker answers (or says ready), at most 10 ms: a job's timeout is then seen within 10 ms."""
+        wait_s = min(0.01, max(0.0, deadline - time.monotonic()))
+        waiting = [w for w in self._workers if w.job is not None or not w.ready]
+        if waiting:
+            select.select([w.process.stdout for w in waiting], [], [], wait_s)
+        else:
+            time.sleep(wait_s)
 
     def _finish(self, key: Hashable, details: ScoreDetails, seconds: float) -> None:
         self._done.append((key, details, seconds))

@@ -11,17 +11,25 @@ To the head: `ready` once (model loaded, generator built, reward worker started:
 only from here, so a slow start is not mistaken for a stuck rank), `result` (one finished group, with this
 rank's counters), `eval_result`, and `alive` (counters) whenever nothing else was sent for a while, so the head
 can tell a slow rank from a stuck one.
+
+Scoring overlaps decoding: a finished request goes to GroupScorer (a RewardPool: plain-number answers scored at
+once, the rest by a math-verify worker process) and the loop decodes on; scores are collected without blocking
+between decode steps, and a group's `result` goes out once its G samples are scored. At most
+rollout.max_pending_scores requests wait for a score; past that the loop waits for scores before it decodes on.
+New weights and evals do not wait for pending scores (a score does not depend on the policy); a stop waits for
+them, so every group decoded before it is sent before `bye`; an abort drops them (the run is over).
 """
 from __future__ import annotations
 
 import time
+from typing import Callable, Hashable
 
 import torch
 
 from buffer import Trajectory
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.weight_sync import receive_weights
-from reward_math import score, warm_up
+from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
 from rollout import Generator, SamplingParams, gpu_options
 
 
@@ -30,11 +38,111 @@ def request_seed(base: int, group_id: int, sample_idx: int) -> int:
     return (base * 1_000_003 + group_id * 4099 + sample_idx) % (2**62)
 
 
+class GroupScorer:
+    """Finished requests -> scored GRPO groups, scoring in a RewardPool while the caller decodes on.
+
+    submit() returns at once unless max_pending requests already wait for a score; then it waits for scores
+    (calling on_wait every wait_s, e.g. a heartbeat). collect() never blocks (unless asked to wait) and returns
+    the groups whose samples are all scored, as (group_id, trajectories in sample order). Rewards are exactly
+    score()'s: the same extraction, fast path and cache, math-verify bounded by limits.timeout_s in a killed-and-
+    replaced worker process, a timeout scored wrong. `blocked_s` is the time the caller spent inside submit,
+    collect and drain (the inline fast path and waits for scores), i.e. scoring's cost on the decode loop;
+    the workers' own time overlaps decoding and is pool.reward_s."""
+
+    def __init__(self, samples_per_prompt: int, reward_correct: float, reward_wrong: float, max_pending: int,
+                 limits: ScoreLimits = DEFAULT_LIMITS, on_wait: Callable[[], None] = lambda: None,
+                 wait_s: float = 0.1):
+        if max_pending < 1:
+            raise ValueError(f"rollout.max_pending_scores must be >= 1, got {max_pending}")
+        self.G, self.reward_correct, self.reward_wrong = samples_per_prompt, reward_correct, reward_wrong
+        self.max_pending, self.on_wait, self.wait_s = max_pending, on_wait, wait_s
+        self.pool = RewardPool(num_workers=1, limits=limits)  # one math-verify process per rank, started now
+        self.groups: dict[int, dict] = {}             # group_id -> {prompt_id, trajs: {sample: Trajectory}}
+        self.unscored: dict[Hashable, object] = {}    # pool key -> the finished request awaiting its score
+        self.eval_scores: dict[int, ScoreDetails] = {}
+        self.complete: list[tuple[int, list[Trajectory]]] = []
+        self.blocked_s = 0.0
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted whose score has not been collected yet."""
+        return len(self.unscored)
+
+    def open(self, group_id: int, prompt_id: int) -> None:
+        self.groups[group_id] = {"prompt_id": prompt_id, "trajs": {}}
+
+    def submit(self, out, response: str, gold: str) -> None:
+        """Score a finished request (request_id = (group_id, sample_idx)); response is its decoded text."""
+        t0 = time.perf_counter()
+        self._make_room()
+        key = ("train", *out.request_id)
+        self.pool.submit(key, response, gold)         # bad input raises here, before anything is recorded
+        self.unscored[key] = out
+        self.blocked_s += time.perf_counter() - t0
+
+    def collect(self, wait_s: float = 0.0) -> list[tuple[int, list[Trajectory]]]:
+        """Groups completed since the last call; with wait_s > 0, waits up to that long for a score first."""
+        t0 = time.perf_counter()
+        self._take(self.pool.poll(wait_s=wait_s))
+        self.blocked_s += time.perf_counter() - t0
+        done, self.complete = self.complete, []
+        return done
+
+    def drain(self) -> list[tuple[int, list[Trajectory]]]:
+        """Wait for every submitted score; the groups they complete."""
+        done = self.collect()
+        while self.pending:
+            self.on_wait()
+            done += self.collect(wait_s=self.wait_s)
+        return done
+
+    def score_all(self, pairs: list[tuple[str, str]]) -> list[ScoreDetails]:
+        """Score (response, gold) pairs now, through the same workers (eval); not counted in blocked_s."""
+        for j, (response, gold) in enumerate(pairs):
+            self._make_room()
+            self.pool.submit(("eval", j), response, gold)
+            self.unscored[("eval", j)] = None
+        while len(self.eval_scores) < len(pairs):
+            self._take(self.pool.poll(wait_s=self.wait_s))
+            self.on_wait()
+        scores, self.eval_scores = [self.eval_scores[j] for j in range(len(pairs))], {}
+        return scores
+
+    def _make_room(self) -> None:
+        while self.pending >= self.max_pending:       # bounded: wait for scores rather than queue without limit
+            self._take(self.pool.poll(wait_s=self.wait_s))
+            self.on_wait()
+
+    def _take(self, results) -> None:
+        for key, details, _ in results:
+            out = self.unscored.pop(key)
+            if key[0] == "eval":
+                self.eval_scores[key[1]] = details
+                continue
+            group_id, sample_idx = key[1], key[2]
+            group = self.groups[group_id]
+            correct = details.reward > 0
+            group["trajs"][sample_idx] = Trajectory(
+                prompt_id=group["prompt_id"], sample_idx=sample_idx, prompt_ids=list(out.prompt_ids),
+                response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs), versions=list(out.versions),
+                reward=self.reward_correct if correct else self.reward_wrong, finish_reason=out.finish_reason,
+                group_id=group_id, correct=correct)
+            if len(group["trajs"]) == self.G:
+                del self.groups[group_id]
+                self.complete.append((group_id, [group["trajs"][s] for s in range(self.G)]))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
 class RolloutWorker:
     def __init__(self, cfg, model, tokenizer, train_rows: list[dict], test_rows: list[dict], head: int,
                  device: torch.device):
         self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
-        warm_up(wait=False)                           # math-verify's imports overlap the generator's set-up
+        r = cfg.rollout
+        # math-verify's imports (in the scorer's worker process) overlap the generator's set-up
+        self.scorer = GroupScorer(r.samples_per_prompt, r.reward_correct, r.reward_wrong, r.max_pending_scores,
+                                  on_wait=self.heartbeat)
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
         self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn)
@@ -42,9 +150,8 @@ class RolloutWorker:
                              interrupt_mode=cfg.rollout.interrupt_mode, **self.gpu_options)
         self.eval_gen: Generator | None = None
         self.channel = Channel([head])
-        self.open_groups: dict[int, dict] = {}        # group_id -> {prompt_id, outs: {sample: Trajectory}}
         self.t_start = time.monotonic()
-        self.idle_s = self.reward_s = 0.0
+        self.idle_s = 0.0
         self.generated_tokens = 0
         self.heartbeat_s = min(5.0, cfg.plan.rollout_timeout_s / 4)
         self.last_sent = time.monotonic()
@@ -77,7 +184,7 @@ class RolloutWorker:
     def on_grant(self, msg: dict) -> None:
         G = self.cfg.rollout.samples_per_prompt
         for group_id, prompt_id in msg["groups"]:
-            self.open_groups[group_id] = {"prompt_id": prompt_id, "outs": {}}
+            self.scorer.open(group_id, prompt_id)
             prompt = self.prompt_ids("train", prompt_id)
             for s in range(G):
                 self.gen.add_request((group_id, s), prompt, self.sampling(request_seed(self.cfg.train.seed, group_id, s)))
@@ -103,46 +210,48 @@ class RolloutWorker:
         done = {}
         while self.eval_gen.num_unfinished():
             done.update((o.request_id, o) for o in self.eval_gen.step())
+            self.send_results(self.scorer.collect())     # training groups still score meanwhile
             self.heartbeat()
         outs = [done[j] for j in range(len(ids))]
-        correct = [int(score(self.tok.decode(o.token_ids, skip_special_tokens=True),
-                             self.rows["test"][i]["answer"]) > 0) for i, o in zip(ids, outs)]
+        scores = self.scorer.score_all([(self.tok.decode(o.token_ids, skip_special_tokens=True),
+                                         self.rows["test"][i]["answer"]) for i, o in zip(ids, outs)])
+        correct = [int(d.reward > 0) for d in scores]
         self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""),
                           prompt_ids=ids, correct=correct)
 
     # -- finished sequences --------------------------------------------------------------------------
     def on_finished(self, out) -> None:
-        group_id, sample_idx = out.request_id
-        group = self.open_groups[group_id]
-        row = self.rows["train"][group["prompt_id"]]
-        t0 = time.perf_counter()
-        correct = score(self.tok.decode(out.token_ids, skip_special_tokens=True), row["answer"]) > 0
-        self.reward_s += time.perf_counter() - t0
-        r = self.cfg.rollout
-        group["outs"][sample_idx] = Trajectory(
-            prompt_id=group["prompt_id"], sample_idx=sample_idx, prompt_ids=list(out.prompt_ids),
-            response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs), versions=list(out.versions),
-            reward=r.reward_correct if correct else r.reward_wrong, finish_reason=out.finish_reason,
-            group_id=group_id, correct=correct)
+        group_id, _ = out.request_id
+        row = self.rows["train"][self.scorer.groups[group_id]["prompt_id"]]
         self.generated_tokens += len(out.token_ids)
-        if len(group["outs"]) == r.samples_per_prompt:
-            del self.open_groups[group_id]
-            trajs = [group["outs"][s].to_dict() for s in range(r.samples_per_prompt)]
-            self.send("result", group_id=group_id, trajectories=trajs,
-                              counters=self.counters())
+        self.scorer.submit(out, self.tok.decode(out.token_ids, skip_special_tokens=True), row["answer"])
+
+    def send_results(self, groups: list[tuple[int, list[Trajectory]]]) -> None:
+        for group_id, trajs in groups:
+            self.send("result", group_id=group_id, trajectories=[t.to_dict() for t in trajs],
+                      counters=self.counters())
 
     def counters(self) -> dict:
-        return {"elapsed_s": time.monotonic() - self.t_start, "idle_s": self.idle_s, "reward_s": self.reward_s,
+        # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:
+        # the scorings' own time (inline and in the math-verify worker), mostly overlapped with decoding
+        return {"elapsed_s": time.monotonic() - self.t_start, "idle_s": self.idle_s,
+                "reward_s": self.scorer.blocked_s, "reward_service_s": self.scorer.pool.reward_s,
                 "generated_tokens": self.generated_tokens, "version": self.gen.version,
                 "prefill_s": self.gen.stats.prefill_seconds, "prefill_tokens": self.gen.stats.prefill_tokens}
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
+        try:
+            self.loop()
+        finally:
+            self.scorer.close()
+
+    def loop(self) -> None:
         handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
-        warm_up()                                     # a first slow-path score must not stall a decode step
+        self.scorer.pool.wait_ready()                 # a first slow-path score must not wait for math-verify's imports
         self.send("ready", counters=self.counters())
         while True:
-            idle = self.gen.num_unfinished() == 0
+            idle = self.gen.num_unfinished() == 0 and not self.scorer.pending  # nothing to do until the head sends work
             t0 = time.monotonic()
             msgs = self.channel.poll(timeout_s=1.0 if idle else 0.0)
             if idle:
@@ -151,6 +260,7 @@ class RolloutWorker:
                     raise PeerTimeout([self.head], self.cfg.plan.timeout_s, "work from the train head")
             for _, msg in msgs:
                 if msg["kind"] == "stop":
+                    self.send_results(self.scorer.drain())   # groups decoded before the stop still reach the head
                     self.send("bye", counters=self.counters())
                     return
                 if msg["kind"] == "abort":
@@ -159,4 +269,7 @@ class RolloutWorker:
             if self.gen.num_unfinished():
                 for out in self.gen.step():
                     self.on_finished(out)
+                self.send_results(self.scorer.collect())
+            elif self.scorer.pending:                 # only scores left: wait for them, briefly, then poll the head
+                self.send_results(self.scorer.collect(wait_s=0.05))
             self.heartbeat()
