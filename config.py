@@ -18,6 +18,8 @@ from pathlib import Path
 
 import yaml
 
+from buffer import CONSUME_ORDERS
+
 CONFIG_DIR = Path(__file__).resolve().parent / "exp" / "configs"
 DEFAULT_CONFIG = "cpu_demo"
 
@@ -87,6 +89,7 @@ class TrainConfig:
 @dataclass
 class StalenessConfig:
     max_staleness: int = 4                # η: 0 = synchronous RL
+    consume_order: str = "deadline"       # deadline | admission | completion (plain AReaL): see buffer.py
 
 
 @dataclass
@@ -238,6 +241,8 @@ def load_config(args: list[str]) -> Config:
 def validate(cfg: Config) -> None:
     checks = [
         (cfg.staleness.max_staleness >= 0, "staleness.max_staleness must be >= 0"),
+        (cfg.staleness.consume_order in CONSUME_ORDERS,
+         f"staleness.consume_order must be {'|'.join(CONSUME_ORDERS)}, got {cfg.staleness.consume_order!r}"),
         (cfg.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1"),
         (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
         (cfg.rollout.interrupt_mode in ("recompute", "keep"), "rollout.interrupt_mode must be recompute|keep"),
@@ -262,7 +267,7 @@ def to_dict(cfg: Config) -> dict:
 RESUMABLE_KEYS = {"train.total_steps", "train.max_train_seconds", "logging.run_dir", "logging.run_name", "logging.progress",
                   "logging.wandb", "logging.eval_every", "checkpoint.resume", "checkpoint.every", "checkpoint.keep",
                   "checkpoint.at_end", "plan.timeout_s", "plan.rollout_timeout_s", "plan.path", "plan.num_rollout",
-                  "plan.weight_bucket_mb", "plan.verify_weights"}
+                  "plan.weight_bucket_mb", "plan.verify_weights", "rollout.max_pending_scores"}
 
 
 def mismatched_keys(saved: dict, current: dict) -> list[str]:

@@ -9,7 +9,7 @@ The story of a run:
 2. the rank map (schedule.py's plan, or a default split) gives each rank a role: `rollout` ranks
    generate (rollout_worker.py), `train` ranks run the DP×TP×PP PPO trainer (parallel/);
 3. the train head (train rank 0) is also the controller: it admits GRPO groups to rollout ranks under
-   the staleness bound (buffer.py), collects finished groups, forms batches oldest-first, trains,
+   the staleness bound (buffer.py), collects finished groups, forms batches that keep every deadline, trains,
    and sends each new weight version to the rollout ranks, which apply it between decode steps;
 4. metrics go to runs/<run>/metrics.jsonl (+ W&B), every consumed trajectory to ledger.jsonl;
    every `checkpoint.every` steps the train ranks write a checkpoint (checkpoint.py); `resume=auto` continues
@@ -147,7 +147,8 @@ class TrainHead:
         self.channel, self.writer = channel, writer
         self.rollout_ranks = list(groups.rollout_ranks)
         self.lost_ranks: list[int] = []
-        self.buffer = StalenessBuffer(cfg.train.prompts_per_step, cfg.staleness.max_staleness)
+        self.buffer = StalenessBuffer(cfg.train.prompts_per_step, cfg.staleness.max_staleness,
+                                      consume_order=cfg.staleness.consume_order)
         self.sender = WeightSender(cfg.plan.weight_bucket_mb, cfg.plan.verify_weights, cfg.plan.timeout_s)
         self.train_ids = [r["prompt_id"] for r in train_rows]
         self.test_ids = [r["prompt_id"] for r in test_rows]

@@ -2,33 +2,39 @@
 
     python exp/simulate.py --plan plan.json --steps 20 --eta 4
     python exp/simulate.py --plan plan.json --eta-sweep 0,1,2,4,8,16
+    python exp/simulate.py --plan plan.json --eta 4 --consume-order all --long-tail 1.0
 
 Model (AReaL §4-5 on top of the planner's costs, no formula duplicated here: decode step times come from
 cost_model.decode_round_s, training and sync times from the plan's predictions):
-  - each rollout replica runs continuous batching up to its memory-limited batch; one decode round of n
-    running sequences takes round_s(n); a sequence of g tokens finishes after g rounds;
-  - admission control: a new request is admitted only while floor((N_r - 1) / B) <= v + eta
-    (N_r = requests admitted so far including the new one, v = trainer version, B = sequences per step);
-    admitted requests go to the replica with the most free batch slots relative to its size;
-  - the trainer consumes the B finished samples admitted earliest; a step takes train_s scaled by its tokens;
+  - admission, deadlines and batches are the train head's own buffer.StalenessBuffer (units: GRPO groups of
+    samples_per_prompt sequences; a group completes when its last sequence does), with its consume order:
+    `deadline` (the default), `admission` (strict admission order) or `completion` (plain AReaL);
+  - admitted groups go to the replica with the least work per slot; a replica runs continuous batching up
+    to its memory-limited batch, the rest of its groups queue; one decode round of n running sequences takes
+    round_s(n); a sequence of g tokens finishes after g rounds;
+  - a batch is taken as soon as the buffer has one ready; a step takes train_s scaled by its tokens; no group
+    is admitted during the step (the next version's weights do not exist yet);
   - after each step both sides pause for the weight sync; running sequences are interrupted, their KV is
     recomputed with the new weights (prefill of the held context), then decoding continues;
   - staleness of a sample = trainer version at consumption - version at admission.
 Because rounds advance every running sequence by one token, a replica keeps one "progress" clock and each
-sequence its finishing progress, so an event costs O(replicas) and 20 steps of 10^4 requests run in a second.
+sequence its finishing progress, so an event costs O(replicas) and 20 steps of 10^4 requests run in seconds.
 """
 from __future__ import annotations
 
 import argparse
 import heapq
 import json
+import math
 import random
+import statistics
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import cost_model as cm  # noqa: E402
+from buffer import CONSUME_ORDERS, StalenessBuffer  # noqa: E402
 
 
 @dataclass
@@ -39,10 +45,14 @@ class Replica:
     progress: float = 0.0                # decode rounds done so far
     paused_until: float = 0.0
     running: list = field(default_factory=list)   # heap of (finish progress, seq id)
+    waiting: list = field(default_factory=list)   # admitted sequences waiting for a slot, FIFO
     busy_s: float = 0.0
 
     def rate(self) -> float:             # rounds per second with the current batch
         return 1.0 / self.round_s[len(self.running)] if self.running else 0.0
+
+    def load(self) -> float:
+        return (len(self.running) + len(self.waiting)) / self.batch
 
 
 @dataclass
@@ -50,6 +60,7 @@ class Seq:
     admitted_version: int
     prompt: float
     gen: float
+    group_id: int
 
 
 def _inputs(plan: dict, workload: cm.Workload | dict | None, eta: int | None):
@@ -87,42 +98,50 @@ def build_replicas(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec, wl: cm.
 
 def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int = 20, eta: int | None = None,
              seed: int = 0, decode_s_per_token: float | None = None, train_s_per_token: float | None = None,
-             sync_s: float | None = None, warmup: int = 2, prefill_s_per_token: float | None = None) -> dict:
+             sync_s: float | None = None, warmup: int = 2, prefill_s_per_token: float | None = None,
+             consume_order: str = "deadline") -> dict:
     """Run `steps` trainer steps; report mean step time, tokens/s, idle fractions and staleness."""
     if steps < warmup + 1:
         raise ValueError(f"steps must exceed warmup ({warmup}), got {steps}")
     cluster, model, wl, eff = _inputs(plan, workload, eta)
     rng = random.Random(seed)
     replicas = build_replicas(plan, cluster, model, wl, eff, decode_s_per_token, prefill_s_per_token)
-    B = wl.batch
     mean_tokens = wl.prompt_len + wl.gen_mean
     train_per_token = train_s_per_token if train_s_per_token is not None else \
-        plan["predicted"]["train_s"] / (B * mean_tokens)
+        plan["predicted"]["train_s"] / (wl.batch * mean_tokens)
     sync = plan["predicted"]["sync_s"] if sync_s is None else sync_s
 
+    # the train head's own buffer: admission, deadlines and batches exactly as in a run (units: groups)
+    buf = StalenessBuffer(wl.prompts_per_step, wl.eta, consume_order=consume_order)
+    buf.weights_sent(0)
     seqs: list[Seq] = []
-    finished: list[int] = []             # seq ids, FIFO = oldest first
-    admitted = version = 0
+    unfinished: dict[int, int] = {}      # group -> its sequences still generating
+    group_seqs: dict[int, list[int]] = {}
     now = 0.0
     train_end = None                     # time the running train step ends
     train_busy = 0.0
     trainer_ready_at = 0.0
     step_times, step_tokens, staleness = [], [], []
 
+    def start(rep: Replica, sid: int) -> None:
+        heapq.heappush(rep.running, (rep.progress + seqs[sid].gen, sid))
+
     def admit() -> None:
-        nonlocal admitted
-        while (admitted) // B <= version + wl.eta:          # floor((N_r - 1) / B) <= v + eta, N_r = admitted + 1
-            free = [r for r in replicas if len(r.running) < r.batch]
-            if not free:
-                return
-            rep = min(free, key=lambda r: (len(r.running) / r.batch, -r.batch))
-            sid = len(seqs)
-            seqs.append(Seq(version, wl.prompt_len, float(rng.choice(wl.gen_samples))))
-            heapq.heappush(rep.running, (rep.progress + seqs[sid].gen, sid))
+        # as the head grants: everything the bound allows, to the least-loaded replica; what finds no free
+        # slot queues there (a rollout rank's own queue)
+        while buf.capacity() > 0:
+            rep = min(replicas, key=lambda r: (r.load(), -r.batch))
+            ticket = buf.admit(prompt_id=len(unfinished), rank=replicas.index(rep))
+            unfinished[ticket.group_id] = wl.samples_per_prompt
+            group_seqs[ticket.group_id] = list(range(len(seqs), len(seqs) + wl.samples_per_prompt))
             # the samples of a group share their prompt's K/V: the generator prefills it once
-            if admitted % wl.samples_per_prompt == 0:
-                rep.paused_until = max(rep.paused_until, now) + seqs[sid].prompt * rep.prefill_s_per_token
-            admitted += 1
+            rep.paused_until = max(rep.paused_until, now) + wl.prompt_len * rep.prefill_s_per_token
+            for _ in range(wl.samples_per_prompt):
+                seqs.append(Seq(buf.version, wl.prompt_len, float(rng.choice(wl.gen_samples)), ticket.group_id))
+                if len(rep.running) < rep.batch:
+                    start(rep, len(seqs) - 1)
+                else:
+                    rep.waiting.append(len(seqs) - 1)
 
     admit()
     while len(step_times) < steps:
@@ -130,37 +149,46 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
         nxt, who = train_end if train_end is not None else float("inf"), None
         for r in replicas:
             if r.running:
-                start = max(now, r.paused_until)
-                t = start + (r.running[0][0] - r.progress) * r.round_s[len(r.running)]
+                start_t = max(now, r.paused_until)
+                t = start_t + (r.running[0][0] - r.progress) * r.round_s[len(r.running)]
                 if t < nxt:
                     nxt, who = t, r
         if nxt == float("inf"):
             raise RuntimeError("simulation stalled: no running sequence and no train step (check eta / batch)")
         for r in replicas:                                    # advance every replica to `nxt`
-            start = max(now, r.paused_until)
-            if r.running and nxt > start:
-                r.progress += (nxt - start) * r.rate()
-                r.busy_s += nxt - start
+            start_t = max(now, r.paused_until)
+            if r.running and nxt > start_t:
+                r.progress += (nxt - start_t) * r.rate()
+                r.busy_s += nxt - start_t
         now = nxt
+        changed = False                                       # ready() changes only with completions / steps
         if who is not None:
             while who.running and who.running[0][0] <= who.progress + 1e-9:
-                finished.append(heapq.heappop(who.running)[1])
+                sid = heapq.heappop(who.running)[1]
+                g = seqs[sid].group_id
+                unfinished[g] -= 1
+                if unfinished[g] == 0:
+                    buf.complete(g, group_seqs.pop(g))
+                    changed = True
+                if who.waiting:
+                    start(who, who.waiting.pop(0))
         elif train_end is not None and now >= train_end:
             train_end = None
-            version += 1
             step_times.append(now)
             for r in replicas:                                # weight sync: pause, interrupt, recompute KV
                 held = sum(seqs[sid].prompt + seqs[sid].gen - (fin - r.progress) for fin, sid in r.running)
                 r.paused_until = max(r.paused_until, now) + sync + held * r.prefill_s_per_token
             trainer_ready_at = now + sync
-        if train_end is None and len(finished) >= B:
-            finished.sort()                                   # prefer the oldest admitted samples
-            batch, finished[:] = finished[:B], finished[B:]
+            buf.weights_sent(buf.version)                     # the pause above is the transfer
+            changed = True
+        if train_end is None and changed and buf.ready():
+            v = buf.version
+            batch = [sid for _, sids in buf.take() for sid in sids]
             tokens = sum(seqs[s].prompt + seqs[s].gen for s in batch)
-            staleness += [version - seqs[s].admitted_version for s in batch]
-            start = max(now, trainer_ready_at)
-            train_end = start + tokens * train_per_token
-            train_busy += train_end - start
+            staleness += [v - seqs[s].admitted_version for s in batch]
+            start_t = max(now, trainer_ready_at)
+            train_end = start_t + tokens * train_per_token
+            train_busy += train_end - start_t
             step_tokens.append(tokens)
         admit()
 
@@ -172,7 +200,7 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
     for s in staleness:
         hist[s] = hist.get(s, 0) + 1
     total_replica_s = len(replicas) * now
-    return {"steps": steps, "eta": wl.eta, "step_s": span / (steps - warmup),
+    return {"steps": steps, "eta": wl.eta, "consume_order": consume_order, "step_s": span / (steps - warmup),
             "tokens_per_s": sum(step_tokens[warmup:steps]) / span,
             "rollout_idle_frac": 1 - sum(r.busy_s for r in replicas) / total_replica_s,
             "trainer_idle_frac": 1 - train_busy / now,
@@ -191,6 +219,18 @@ def predict_from_measured(plan: dict, decode_s_per_token: float, train_s_per_tok
     return {"step_s": res["step_s"], "tokens_per_s": res["tokens_per_s"], "simulation": res}
 
 
+def long_tail_workload(plan: dict, sigma: float, n: int = 256) -> cm.Workload:
+    """The plan's workload with lognormal output lengths of the same mean (n quantiles, capped at 20x mean)."""
+    if sigma <= 0:
+        raise ValueError(f"--long-tail sigma must be > 0, got {sigma}")
+    wl = cm.Workload(**plan["inputs"]["workload"])
+    z = statistics.NormalDist()
+    raw = [math.exp(sigma * z.inv_cdf((i + 0.5) / n)) for i in range(n)]
+    scale = wl.gen_mean / (sum(raw) / n)
+    lengths = [max(1.0, min(20 * wl.gen_mean, x * scale)) for x in raw]
+    return cm.Workload(**{**wl.to_dict(), "gen_samples": lengths})
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Simulate the asynchronous RL pipeline of a plan JSON.")
     ap.add_argument("--plan", required=True)
@@ -198,16 +238,32 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eta", type=int, default=None)
     ap.add_argument("--eta-sweep", default="", help="comma-separated eta values, e.g. 0,1,2,4,8,16")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seeds", type=int, default=1, help="average over seeds seed..seed+N-1 (max staleness: over all)")
+    ap.add_argument("--consume-order", default="deadline", choices=[*CONSUME_ORDERS, "all"],
+                    help="the buffer's batch rule (buffer.py); all = one row each")
+    ap.add_argument("--long-tail", type=float, default=0.0, metavar="SIGMA",
+                    help="replace the plan's output lengths by a lognormal of the same mean (sigma > 0)")
     a = ap.parse_args(argv)
+    if a.seeds < 1:
+        ap.error(f"--seeds must be >= 1, got {a.seeds}")
     try:
         with open(a.plan) as f:
             plan = json.load(f)
         etas = [int(x) for x in a.eta_sweep.split(",")] if a.eta_sweep else [a.eta]
-        print(f"{'eta':>4} {'step s':>9} {'tokens/s':>10} {'roll idle':>9} {'train idle':>10} {'stale mean':>10} {'max':>4}")
+        orders = CONSUME_ORDERS if a.consume_order == "all" else [a.consume_order]
+        wl = long_tail_workload(plan, a.long_tail) if a.long_tail else None
+        print(f"{'eta':>4} {'order':>10} {'step s':>9} {'tokens/s':>10} {'roll idle':>9} {'train idle':>10} "
+              f"{'stale mean':>10} {'max':>4}")
         for eta in etas:
-            r = simulate(plan, steps=a.steps, eta=eta, seed=a.seed)
-            print(f"{r['eta']:>4} {r['step_s']:>9.2f} {r['tokens_per_s']:>10.1f} {r['rollout_idle_frac']:>9.2f} "
-                  f"{r['trainer_idle_frac']:>10.2f} {r['staleness']['mean']:>10.2f} {r['staleness']['max']:>4}")
+            for order in orders:
+                runs = [simulate(plan, wl, steps=a.steps, eta=eta, seed=a.seed + i, consume_order=order)
+                        for i in range(a.seeds)]
+                mean = {k: statistics.fmean(r[k] for r in runs)
+                        for k in ("step_s", "tokens_per_s", "rollout_idle_frac", "trainer_idle_frac")}
+                print(f"{eta:>4} {order:>10} {mean['step_s']:>9.2f} {mean['tokens_per_s']:>10.1f} "
+                      f"{mean['rollout_idle_frac']:>9.3f} {mean['trainer_idle_frac']:>10.3f} "
+                      f"{statistics.fmean(r['staleness']['mean'] for r in runs):>10.2f} "
+                      f"{max(r['staleness']['max'] for r in runs):>4}")
         print(f"planner's predicted step: {plan['predicted']['step_s']:.2f} s")
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

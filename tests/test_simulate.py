@@ -71,3 +71,23 @@ def test_bad_inputs(plan):
     empty = {**plan, "rollout": {"replicas": [], "tokens_per_s": 0}}
     with pytest.raises(ValueError, match="no rollout replicas"):
         sim.simulate(empty, steps=5)
+
+
+def test_long_tail_workload_keeps_the_mean_and_rejects_bad_sigma(plan):
+    wl = sim.long_tail_workload(plan, 1.5)
+    base = cm.Workload(**plan["inputs"]["workload"])
+    assert max(wl.gen_samples) > 5 * min(wl.gen_samples)
+    assert wl.gen_mean == pytest.approx(base.gen_mean, rel=0.05)         # the 20x-mean cap trims a little
+    with pytest.raises(ValueError, match="sigma"):
+        sim.long_tail_workload(plan, 0.0)
+
+
+@pytest.mark.parametrize("eta", [1, 2])
+def test_simulator_runs_the_buffers_rule(plan, eta):
+    """Under long tails the buffer's own rules keep the bound; plain AReaL (completion order) does not."""
+    wl = sim.long_tail_workload(plan, 1.5)
+    worst = {order: max(sim.simulate(plan, wl, steps=12, eta=eta, seed=s, consume_order=order)["staleness"]["max"]
+                        for s in range(3))
+             for order in ("deadline", "admission", "completion")}
+    assert worst["deadline"] <= eta and worst["admission"] <= eta
+    assert worst["completion"] > eta
