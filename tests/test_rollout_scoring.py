@@ -1,8 +1,6 @@
 """The rollout rank's overlapped scoring (rollout_worker.GroupScorer) gives exactly the trajectories that inline
 score() gives, timeouts included, never holds more than max_pending requests unscored, and collect() does not
 wait for math-verify."""
-import time
-
 import pytest
 import torch
 
@@ -93,20 +91,19 @@ def test_timeout_scores_as_inline(monkeypatch):
 
 
 def test_collect_never_waits_for_math_verify():
-    scorer = GroupScorer(2, CORRECT, WRONG, max_pending=8)
+    """A group scored on the fast path is collected while another's math-verify job is still running (one that
+    never finishes within its limit), so the decode loop goes on."""
+    scorer = GroupScorer(2, CORRECT, WRONG, max_pending=8, limits=PATIENT)
     try:
         scorer.pool.wait_ready()
         scorer.open(1, 0)
         scorer.open(2, 0)
-        scorer.submit(finished(2, 0, "s"), "\\boxed{\\frac{7}{21}}", "\\frac{1}{3}")  # math-verify: a worker job
-        scorer.submit(finished(1, 0, "a"), "#### 4", "4")                              # fast path: scored inline
+        scorer.submit(finished(2, 0, "s"), POWER_TOWER, "5")             # math-verify: busy for PATIENT's 30 s
+        scorer.submit(finished(1, 0, "a"), "#### 4", "4")                # fast path: scored inline
         scorer.submit(finished(1, 1, "b"), "#### 5", "4")
-        t0 = time.perf_counter()
         first = scorer.collect()
-        assert time.perf_counter() - t0 < 0.05
         assert [gid for gid, _ in first] == [1] and [t.reward for t in first[0][1]] == [CORRECT, WRONG]
-        scorer.submit(finished(2, 1, "t"), "\\boxed{2}", "\\frac{1}{3}")
-        assert [(gid, [t.correct for t in trajs]) for gid, trajs in scorer.drain()] == [(2, [True, False])]
+        assert scorer.pending == 1                                       # the power tower is still being scored
     finally:
         scorer.close()
 
