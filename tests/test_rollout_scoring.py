@@ -90,9 +90,10 @@ def test_timeout_scores_as_inline(monkeypatch):
     assert got[20][0]["reward"] == WRONG
 
 
-def test_collect_never_waits_for_math_verify():
+def test_collect_never_waits_for_math_verify(monkeypatch):
     """A group scored on the fast path is collected while another's math-verify job is still running (one that
     never finishes within its limit), so the decode loop goes on."""
+    monkeypatch.setattr(rm, "_cache", rm._ResultCache())       # no verdict cached by an earlier test
     scorer = GroupScorer(2, CORRECT, WRONG, max_pending=8, limits=PATIENT)
     try:
         scorer.pool.wait_ready()
