@@ -131,7 +131,7 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
         # slot queues there (a rollout rank's own queue)
         while buf.capacity() > 0:
             rep = min(replicas, key=lambda r: (r.load(), -r.batch))
-            ticket = buf.admit(prompt_id=len(unfinished), rank=replicas.index(rep))
+            ticket = buf.admit(prompt_id=0, rank=replicas.index(rep))      # prompts differ only in length draws
             unfinished[ticket.group_id] = wl.samples_per_prompt
             group_seqs[ticket.group_id] = list(range(len(seqs), len(seqs) + wl.samples_per_prompt))
             # the samples of a group share their prompt's K/V: the generator prefills it once
@@ -168,6 +168,7 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
                 g = seqs[sid].group_id
                 unfinished[g] -= 1
                 if unfinished[g] == 0:
+                    del unfinished[g]
                     buf.complete(g, group_seqs.pop(g))
                     changed = True
                 if who.waiting:
