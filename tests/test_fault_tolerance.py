@@ -242,7 +242,7 @@ def make_head(tmp_path, channel, *overrides):
 
 
 def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(world_of_one, tmp_path):
-    """The CI failure of session 2, deterministically: the head has taken batch 1 (version 0 -> 1) and waits for
+    """Deterministically: the head has taken batch 1 (version 0 -> 1) and waits for
     every rank to acknowledge version 0's weights before sending version 1's. Rank 2 never does, so it is dropped
     during that wait and its groups are re-queued -- but no group may be granted before version 1's weights are
     out, or rank 1 would generate version-1 groups with version-0 weights (staleness v - 2 > eta = 1)."""
@@ -299,8 +299,8 @@ class ScriptedChannel(RecordingChannel):
 
 
 def test_slow_start_is_not_a_stuck_rank(tmp_path):
-    """The CI failure of session 5: rollout ranks still loading when the head began counting
-    plan.rollout_timeout_s were dropped before step 1. A rank is only held to that bound after `ready`."""
+    """Rollout ranks still loading must not be dropped as stuck: a rank is held to plan.rollout_timeout_s
+    only after it says `ready`, however long its start takes."""
     ready = {"kind": "ready", "counters": {}}
     channel = ScriptedChannel([1, 2], [(0.1, 1, ready), (1.5, 2, ready)])      # rank 2: 5x rollout_timeout_s
     head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=30")
