@@ -14,7 +14,7 @@ def tracked(*patterns: str) -> list[Path]:
 
 
 def test_no_numbered_history_in_docs_and_code():
-    files = tracked("*.md", "*.py")
+    files = [f for f in tracked("*.md", "*.py") if f != Path(__file__).resolve()]   # its examples below match
     assert any(f.name == "README.md" for f in files)                  # the scan sees the tree
     hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
             for f in files for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
