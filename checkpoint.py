@@ -21,6 +21,7 @@ re-queued and re-admitted at the resumed version, so the staleness bound holds f
 Rollout ranks keep no state worth saving: their sampling seeds are a function of (seed, group, sample), and they
 receive the checkpoint's weights through the head's first weight sync.
 """
+
 from __future__ import annotations
 
 import json
@@ -76,14 +77,16 @@ def find_resume(cfg: Config) -> Path | None:
         if not path.is_dir():
             raise CheckpointError(f"checkpoint.resume '{spec}' is not a directory")
         if not (path / MARKER).exists():
-            raise CheckpointError(f"checkpoint '{spec}' is incomplete (no {MARKER} marker); "
-                                  f"the latest complete one is {latest_complete(path.parent.parent)}")
+            raise CheckpointError(
+                f"checkpoint '{spec}' is incomplete (no {MARKER} marker); "
+                f"the latest complete one is {latest_complete(path.parent.parent)}"
+            )
         return path
     runs = Path(cfg.logging.run_dir)
     if cfg.logging.run_name:
         return latest_complete(runs / cfg.logging.run_name)
     candidates = sorted(runs.glob(f"{cfg.config_name}-*")) if runs.is_dir() else []
-    for run in reversed(candidates):            # timestamped names sort by start time
+    for run in reversed(candidates):  # timestamped names sort by start time
         found = latest_complete(run)
         if found is not None:
             return found
@@ -137,8 +140,10 @@ def save_train_shard(trainer, directory: Path, rank: int) -> None:
 def load_train_shard(trainer, checkpoint: Path, rank: int, num_train_ranks: int) -> None:
     saved = sorted(checkpoint.glob("train_rank*.pt"))
     if len(saved) != num_train_ranks:
-        raise CheckpointError(f"checkpoint {checkpoint} has {len(saved)} train shards but this launch has "
-                              f"{num_train_ranks} train ranks (resume needs the same train layout)")
+        raise CheckpointError(
+            f"checkpoint {checkpoint} has {len(saved)} train shards but this launch has "
+            f"{num_train_ranks} train ranks (resume needs the same train layout)"
+        )
     path = checkpoint / f"train_rank{rank}.pt"
     if not path.exists():
         raise CheckpointError(f"checkpoint {checkpoint} has no shard for train rank {rank}")
@@ -161,7 +166,7 @@ class CheckpointWriter:
     def begin(self, step: int) -> Path:
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp_step_{step}"
-        if tmp.exists():                          # left by a crash mid-write
+        if tmp.exists():  # left by a crash mid-write
             shutil.rmtree(tmp)
         tmp.mkdir()
         return tmp
@@ -179,7 +184,7 @@ class CheckpointWriter:
         (tmp / MARKER).write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n")
         _fsync_file(tmp / MARKER)
         final = self.root / f"step_{step}"
-        if final.exists():                        # from a timeline abandoned by resuming an older checkpoint
+        if final.exists():  # from a timeline abandoned by resuming an older checkpoint
             shutil.rmtree(final)
         os.rename(tmp, final)
         _fsync_dir(self.root)
@@ -188,7 +193,7 @@ class CheckpointWriter:
 
     def prune(self) -> None:
         if self.keep > 0:
-            for _, d in complete_checkpoints(self.root.parent)[:-self.keep]:
+            for _, d in complete_checkpoints(self.root.parent)[: -self.keep]:
                 shutil.rmtree(d, ignore_errors=True)
 
     def retire_after(self, step: int) -> list[Path]:
@@ -210,8 +215,10 @@ def truncate_logs(run_dir: Path, sizes: dict[str, int]) -> dict[str, int]:
         path = Path(run_dir) / name
         have = path.stat().st_size if path.exists() else 0
         if have < size:
-            raise CheckpointError(f"{path} has {have} bytes but the checkpoint recorded {size}: "
-                                  "the run directory does not belong to this checkpoint")
+            raise CheckpointError(
+                f"{path} has {have} bytes but the checkpoint recorded {size}: "
+                "the run directory does not belong to this checkpoint"
+            )
         if have > size:
             with open(path, "r+b") as f:
                 f.truncate(size)
@@ -248,10 +255,13 @@ def open_run(cfg: Config, checkpoint: Path | None, state: dict | None, plan: dic
         run_dir = run_dir_of(checkpoint)
         dropped = truncate_logs(run_dir, state["log_sizes"])
         retired = CheckpointWriter(run_dir, 0, None, None).retire_after(state["version"])
-        print(f"hexrl: resuming from {checkpoint} (step {state['version']}); dropped {dropped} bytes of log "
-              f"written after it; set aside later checkpoints {[p.name for p in retired]}", flush=True)
+        print(
+            f"hexrl: resuming from {checkpoint} (step {state['version']}); dropped {dropped} bytes of log "
+            f"written after it; set aside later checkpoints {[p.name for p in retired]}",
+            flush=True,
+        )
         return RunLog(cfg, run_dir, plan, step_offset=state["version"], wandb_id=state["wandb_id"])
     run_dir = run_directory(cfg)
-    if cfg.checkpoint.resume == "auto":          # a crash before the first checkpoint: start the logs again
+    if cfg.checkpoint.resume == "auto":  # a crash before the first checkpoint: start the logs again
         truncate_logs(run_dir, {name: 0 for name in LOGS})
     return RunLog(cfg, run_dir, plan)

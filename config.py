@@ -8,6 +8,7 @@ key); values are parsed as YAML scalars and type-checked against the field's ann
 is the unique leaf name anywhere in the tree is accepted as a shorthand (`max_staleness=0`), and `plan=`,
 `resume=` are short for `plan.path=` and `checkpoint.resume=`.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,94 +31,94 @@ class ConfigError(ValueError):
 
 @dataclass
 class ModelConfig:
-    path: str = "exp/tiny-model"          # HF hub id or local dir (AutoModelForCausalLM / AutoTokenizer)
-    dtype: str = "auto"                   # auto: bfloat16 on GPU, float32 on CPU
+    path: str = "exp/tiny-model"  # HF hub id or local dir (AutoModelForCausalLM / AutoTokenizer)
+    dtype: str = "auto"  # auto: bfloat16 on GPU, float32 on CPU
     attn_implementation: str = "sdpa"
 
 
 @dataclass
 class DataConfig:
-    task: str = "arith"                   # arith (synthetic, built in) | gsm8k | math | deepscaler | path to jsonl/parquet
-    num_train: int = 20000                # arith only
-    num_test: int = 500                   # held-out problems used for greedy evaluation
+    task: str = "arith"  # arith (synthetic, built in) | gsm8k | math | deepscaler | path to jsonl/parquet
+    num_train: int = 20000  # arith only
+    num_test: int = 500  # held-out problems used for greedy evaluation
     seed: int = 0
-    question_field: str = "question"      # field mapping for local jsonl/parquet
+    question_field: str = "question"  # field mapping for local jsonl/parquet
     answer_field: str = "answer"
-    on_bad_row: str = "skip"              # skip (counted warning) | fail
+    on_bad_row: str = "skip"  # skip (counted warning) | fail
     max_prompt_tokens: int = 512
 
 
 @dataclass
 class RolloutConfig:
-    samples_per_prompt: int = 8           # G, the GRPO group size
+    samples_per_prompt: int = 8  # G, the GRPO group size
     max_new_tokens: int = 32
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_batch_size: int = 64              # generator slots per rollout rank
+    max_batch_size: int = 64  # generator slots per rollout rank
     max_seq_len: int = 128
-    interrupt_mode: str = "recompute"     # recompute (exact, AReaL) | keep (reuse stale KV cache)
-    compile_decode: str = "auto"          # auto (CUDA graphs on a GPU) | always | never
-    flash_attn: str = "never"             # auto (on a GPU when flash-attn is installed) | always | never;
-                                          # opt-in: no GPU we had could install flash-attn, so it is untested
-    max_queued_groups: int = 16           # groups granted to one rollout rank but not yet finished
-    max_pending_scores: int = 64          # finished requests awaiting their score; past it the rank waits for scores
+    interrupt_mode: str = "recompute"  # recompute (exact, AReaL) | keep (reuse stale KV cache)
+    compile_decode: str = "auto"  # auto (CUDA graphs on a GPU) | always | never
+    flash_attn: str = "never"  # auto (on a GPU when flash-attn is installed) | always | never;
+    # opt-in: no GPU we had could install flash-attn, so it is untested
+    max_queued_groups: int = 16  # groups granted to one rollout rank but not yet finished
+    max_pending_scores: int = 64  # finished requests awaiting their score; past it the rank waits for scores
     reward_correct: float = 1.0
     reward_wrong: float = 0.0
 
 
 @dataclass
 class TrainConfig:
-    prompts_per_step: int = 32            # B, in GRPO groups (each of samples_per_prompt trajectories)
+    prompts_per_step: int = 32  # B, in GRPO groups (each of samples_per_prompt trajectories)
     total_steps: int = 60
-    max_train_seconds: float = 0.0        # stop once training has run this long (0 = no limit)
+    max_train_seconds: float = 0.0  # stop once training has run this long (0 = no limit)
     lr: float = 1e-4
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
     grad_clip: float = 1.0
     clip_eps: float = 0.2
-    behav_imp_weight_cap: float = 5.0     # 0 = no cap
+    behav_imp_weight_cap: float = 5.0  # 0 = no cap
     recompute_prox_logprobs: bool = True  # decoupled PPO (AReaL); False = standard PPO (prox = behaviour)
     ppo_minibatches: int = 1
     micro_batch_tokens: int = 8192
     advantage_eps: float = 1e-6
-    max_nonfinite_steps: int = 3          # skip a non-finite loss; stop after this many in a row
+    max_nonfinite_steps: int = 3  # skip a non-finite loss; stop after this many in a row
     seed: int = 1
 
 
 @dataclass
 class StalenessConfig:
-    max_staleness: int = 4                # η: 0 = synchronous RL
-    consume_order: str = "deadline"       # deadline | admission | completion (plain AReaL): see buffer.py
+    max_staleness: int = 4  # η: 0 = synchronous RL
+    consume_order: str = "deadline"  # deadline | admission | completion (plain AReaL): see buffer.py
 
 
 @dataclass
 class LoggingConfig:
     run_dir: str = "runs"
-    run_name: str = ""                    # default: <config>-<timestamp>
-    wandb: str = "offline"                # offline | online | disabled
+    run_name: str = ""  # default: <config>-<timestamp>
+    wandb: str = "offline"  # offline | online | disabled
     wandb_project: str = "hexrl"
-    eval_every: int = 10                  # greedy held-out accuracy every K steps (and at start and end)
+    eval_every: int = 10  # greedy held-out accuracy every K steps (and at start and end)
     progress: bool = True
 
 
 @dataclass
 class CheckpointConfig:
-    every: int = 0                        # steps between checkpoints (0 = only at the end when enabled)
-    resume: str = ""                      # "" | auto | <checkpoint dir>
+    every: int = 0  # steps between checkpoints (0 = only at the end when enabled)
+    resume: str = ""  # "" | auto | <checkpoint dir>
     keep: int = 2
     at_end: bool = False
 
 
 @dataclass
 class PlanConfig:
-    path: str = ""                        # plan JSON from schedule.py; "" = default split
-    num_rollout: int = 0                  # default split: rollout ranks (0 = half the world)
-    timeout_s: float = 600.0              # process-group timeout for every collective
-    rollout_timeout_s: float = 120.0      # a rollout rank silent this long is declared dead
+    path: str = ""  # plan JSON from schedule.py; "" = default split
+    num_rollout: int = 0  # default split: rollout ranks (0 = half the world)
+    timeout_s: float = 600.0  # process-group timeout for every collective
+    rollout_timeout_s: float = 120.0  # a rollout rank silent this long is declared dead
     weight_bucket_mb: float = 64.0
-    verify_weights: bool = True           # per-version checksum checked on the rollout side
+    verify_weights: bool = True  # per-version checksum checked on the rollout side
 
 
 @dataclass
@@ -166,7 +167,7 @@ def _resolve_key(key: str) -> str:
 
 
 def _coerce(key: str, value, typ):
-    if typ is float and isinstance(value, str):       # YAML 1.1 reads 3e-5 (no dot) as a string
+    if typ is float and isinstance(value, str):  # YAML 1.1 reads 3e-5 (no dot) as a string
         try:
             return float(value)
         except ValueError:
@@ -241,8 +242,10 @@ def load_config(args: list[str]) -> Config:
 def validate(cfg: Config) -> None:
     checks = [
         (cfg.staleness.max_staleness >= 0, "staleness.max_staleness must be >= 0"),
-        (cfg.staleness.consume_order in CONSUME_ORDERS,
-         f"staleness.consume_order must be {'|'.join(CONSUME_ORDERS)}, got {cfg.staleness.consume_order!r}"),
+        (
+            cfg.staleness.consume_order in CONSUME_ORDERS,
+            f"staleness.consume_order must be {'|'.join(CONSUME_ORDERS)}, got {cfg.staleness.consume_order!r}",
+        ),
         (cfg.rollout.samples_per_prompt >= 1, "rollout.samples_per_prompt must be >= 1"),
         (cfg.train.prompts_per_step >= 1, "train.prompts_per_step must be >= 1"),
         (cfg.rollout.interrupt_mode in ("recompute", "keep"), "rollout.interrupt_mode must be recompute|keep"),
@@ -264,10 +267,26 @@ def to_dict(cfg: Config) -> dict:
 
 
 # Keys that may differ between a checkpoint and the run resuming from it (everything else must match).
-RESUMABLE_KEYS = {"train.total_steps", "train.max_train_seconds", "logging.run_dir", "logging.run_name", "logging.progress",
-                  "logging.wandb", "logging.eval_every", "checkpoint.resume", "checkpoint.every", "checkpoint.keep",
-                  "checkpoint.at_end", "plan.timeout_s", "plan.rollout_timeout_s", "plan.path", "plan.num_rollout",
-                  "plan.weight_bucket_mb", "plan.verify_weights", "rollout.max_pending_scores"}
+RESUMABLE_KEYS = {
+    "train.total_steps",
+    "train.max_train_seconds",
+    "logging.run_dir",
+    "logging.run_name",
+    "logging.progress",
+    "logging.wandb",
+    "logging.eval_every",
+    "checkpoint.resume",
+    "checkpoint.every",
+    "checkpoint.keep",
+    "checkpoint.at_end",
+    "plan.timeout_s",
+    "plan.rollout_timeout_s",
+    "plan.path",
+    "plan.num_rollout",
+    "plan.weight_bucket_mb",
+    "plan.verify_weights",
+    "rollout.max_pending_scores",
+}
 
 
 def mismatched_keys(saved: dict, current: dict) -> list[str]:

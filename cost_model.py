@@ -9,6 +9,7 @@ and the formulas: rollout replica throughput (HexGen-style roofline), memory fea
 time (Metis-style pipeline model), weight-sync time and reward time. No torch: numbers in, numbers out.
 Units: seconds, bytes, FLOPs, tokens. GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 """
+
 from __future__ import annotations
 
 import json
@@ -30,14 +31,15 @@ class SpecError(ValueError):
 
 # ----------------------------------------------------------------------------- cluster
 
+
 @dataclass(frozen=True)
 class GPUType:
     name: str
-    hbm_gb: float          # HBM capacity
-    tflops: float          # dense bf16 tensor-core peak
-    hbm_tbps: float        # HBM bandwidth
+    hbm_gb: float  # HBM capacity
+    tflops: float  # dense bf16 tensor-core peak
+    hbm_tbps: float  # HBM bandwidth
     dollars_per_hour: float
-    intra_gbps: float      # GPU<->GPU bandwidth inside one machine (NVLink, one direction)
+    intra_gbps: float  # GPU<->GPU bandwidth inside one machine (NVLink, one direction)
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,7 @@ class Cluster:
     name: str
     gpu_types: dict[str, GPUType]
     machines: list[Machine]
-    inter_gbps: dict[tuple[str, str], float]                     # unordered type pair -> GB/s
+    inter_gbps: dict[tuple[str, str], float]  # unordered type pair -> GB/s
     machine_gbps: dict[tuple[int, int], float] = field(default_factory=dict)  # machine pair override
 
     @property
@@ -77,30 +79,40 @@ class Cluster:
         ms = sorted(set(machines))
         if len(ms) == 1:
             return self.link_gbps(ms[0], ms[0])
-        return min(self.link_gbps(a, b) for i, a in enumerate(ms) for b in ms[i + 1:])
+        return min(self.link_gbps(a, b) for i, a in enumerate(ms) for b in ms[i + 1 :])
 
     def dollars_per_hour(self) -> float:
         return sum(m.gpus * self.gpu_types[m.gpu_type].dollars_per_hour for m in self.machines)
 
-    def subset(self, machine_counts: dict[int, int]) -> "Cluster":
+    def subset(self, machine_counts: dict[int, int]) -> Cluster:
         """The sub-cluster keeping machine_counts[i] GPUs of machine i (0 drops it); machines renumbered."""
-        keep = [(m, machine_counts.get(m.index, m.gpus)) for m in self.machines if machine_counts.get(m.index, m.gpus) > 0]
+        keep = [
+            (m, machine_counts.get(m.index, m.gpus)) for m in self.machines if machine_counts.get(m.index, m.gpus) > 0
+        ]
         new_index = {m.index: i for i, (m, _) in enumerate(keep)}
         machines = [Machine(i, m.gpu_type, n) for i, (m, n) in enumerate(keep)]
-        overrides = {(new_index[a], new_index[b]): v for (a, b), v in self.machine_gbps.items()
-                     if a in new_index and b in new_index}
+        overrides = {
+            (new_index[a], new_index[b]): v
+            for (a, b), v in self.machine_gbps.items()
+            if a in new_index and b in new_index
+        }
         return Cluster(self.name, dict(self.gpu_types), machines, dict(self.inter_gbps), overrides)
 
     def to_dict(self) -> dict:
-        return {"name": self.name,
-                "gpu_types": {k: {f: v for f, v in asdict(g).items() if f != "name"} for k, g in self.gpu_types.items()},
-                "machines": [{"gpu_type": m.gpu_type, "gpus": m.gpus} for m in self.machines],
-                "links": {"inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
-                          "machine_gbps": [[a, b, v] for (a, b), v in self.machine_gbps.items()]}}
+        return {
+            "name": self.name,
+            "gpu_types": {k: {f: v for f, v in asdict(g).items() if f != "name"} for k, g in self.gpu_types.items()},
+            "machines": [{"gpu_type": m.gpu_type, "gpus": m.gpus} for m in self.machines],
+            "links": {
+                "inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
+                "machine_gbps": [[a, b, v] for (a, b), v in self.machine_gbps.items()],
+            },
+        }
 
 
 def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = None) -> Cluster:
     """Parse the YAML structure documented in exp/clusters/*.yaml; nproc resizes a one-machine cluster."""
+
     def need(d: dict, key: str, where: str):
         if not isinstance(d, dict) or key not in d:
             raise SpecError(f"{source}: missing '{key}' in {where}")
@@ -109,11 +121,19 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
     types = {}
     for name, g in need(spec, "gpu_types", "cluster").items():
         try:
-            types[name] = GPUType(name, float(g["hbm_gb"]), float(g["tflops"]), float(g["hbm_tbps"]),
-                                  float(g["dollars_per_hour"]), float(g["intra_gbps"]))
+            types[name] = GPUType(
+                name,
+                float(g["hbm_gb"]),
+                float(g["tflops"]),
+                float(g["hbm_tbps"]),
+                float(g["dollars_per_hour"]),
+                float(g["intra_gbps"]),
+            )
         except (KeyError, TypeError, ValueError) as e:
-            raise SpecError(f"{source}: gpu_types.{name} needs numeric hbm_gb, tflops, hbm_tbps, "
-                            f"dollars_per_hour, intra_gbps ({e!r})") from None
+            raise SpecError(
+                f"{source}: gpu_types.{name} needs numeric hbm_gb, tflops, hbm_tbps, "
+                f"dollars_per_hour, intra_gbps ({e!r})"
+            ) from None
         if min(types[name].hbm_gb, types[name].tflops, types[name].hbm_tbps, types[name].intra_gbps) <= 0:
             raise SpecError(f"{source}: gpu_types.{name} has a non-positive capacity")
     machines: list[Machine] = []
@@ -129,7 +149,9 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
         raise SpecError(f"{source}: no machines")
     if nproc is not None:
         if len(machines) != 1:
-            raise SpecError(f"{source}: --gpus/--nproc only resizes a one-machine cluster (this one has {len(machines)})")
+            raise SpecError(
+                f"{source}: --gpus/--nproc only resizes a one-machine cluster (this one has {len(machines)})"
+            )
         if nproc < 2:
             raise SpecError(f"--gpus/--nproc must be >= 2 (one rollout and one train rank), got {nproc}")
         machines = [Machine(0, machines[0].gpu_type, nproc)]
@@ -163,6 +185,7 @@ def load_cluster(path: str | os.PathLike, nproc: int | None = None) -> Cluster:
 
 # ----------------------------------------------------------------------------- model
 
+
 @dataclass(frozen=True)
 class ModelSpec:
     name: str
@@ -180,7 +203,9 @@ class ModelSpec:
     def layer_params(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = (q + 2 * kv) if self.qkv_bias else 0
-        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden + bias
+        return (
+            self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden + bias
+        )
 
     @property
     def head_params(self) -> int:  # the LM head matmul always runs; it has its own weights only if untied
@@ -199,22 +224,35 @@ class ModelSpec:
         return 2 * self.layer_params + 4 * self.heads * self.head_dim * context
 
     def to_config(self) -> dict:
-        return {"_name": self.name, "num_hidden_layers": self.layers, "hidden_size": self.hidden,
-                "intermediate_size": self.intermediate, "num_attention_heads": self.heads,
-                "num_key_value_heads": self.kv_heads, "head_dim": self.head_dim, "vocab_size": self.vocab,
-                "tie_word_embeddings": self.tied, "model_type": "qwen2" if self.qkv_bias else "llama"}
+        return {
+            "_name": self.name,
+            "num_hidden_layers": self.layers,
+            "hidden_size": self.hidden,
+            "intermediate_size": self.intermediate,
+            "num_attention_heads": self.heads,
+            "num_key_value_heads": self.kv_heads,
+            "head_dim": self.head_dim,
+            "vocab_size": self.vocab,
+            "tie_word_embeddings": self.tied,
+            "model_type": "qwen2" if self.qkv_bias else "llama",
+        }
 
 
 def model_from_config(cfg: dict, name: str = "model") -> ModelSpec:
     try:
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
         spec = ModelSpec(
-            name=str(cfg.get("_name", name)), layers=int(cfg["num_hidden_layers"]), hidden=hidden,
-            intermediate=int(cfg["intermediate_size"]), heads=heads,
+            name=str(cfg.get("_name", name)),
+            layers=int(cfg["num_hidden_layers"]),
+            hidden=hidden,
+            intermediate=int(cfg["intermediate_size"]),
+            heads=heads,
             kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads), vocab=int(cfg["vocab_size"]),
+            head_dim=int(cfg.get("head_dim") or hidden // heads),
+            vocab=int(cfg["vocab_size"]),
             tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")))
+            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        )
     except (KeyError, TypeError, ValueError) as e:
         raise SpecError(f"model config {name}: missing or bad field {e}") from None
     if min(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.vocab, spec.intermediate) <= 0:
@@ -238,19 +276,20 @@ def load_model(ref: str | os.PathLike) -> ModelSpec:
 
 # ----------------------------------------------------------------------------- workload
 
+
 @dataclass
 class Workload:
     prompts_per_step: int = 512
     samples_per_prompt: int = 16
     prompt_len: float = 512.0
     gen_samples: list[float] = field(default_factory=lambda: [1024.0])  # output-length distribution P
-    eta: int = 4                        # staleness bound (AReaL max_head_offpolicyness)
+    eta: int = 4  # staleness bound (AReaL max_head_offpolicyness)
     precision: str = "bf16"
-    reward_s: float = 0.0               # profiled reward cost per step (a constant, paper §4.2.2)
-    ppo_minibatches: int = 4            # optimizer steps per RL step
-    microbatch_tokens: int = 16384      # training micro-batch token budget
-    max_batch: int = 256                # cap on concurrent sequences per rollout replica
-    train_passes: float = 4.0           # forward+backward = 3 forward passes, +1 for the proximal log-prob recompute
+    reward_s: float = 0.0  # profiled reward cost per step (a constant, paper §4.2.2)
+    ppo_minibatches: int = 4  # optimizer steps per RL step
+    microbatch_tokens: int = 16384  # training micro-batch token budget
+    max_batch: int = 256  # cap on concurrent sequences per rollout replica
+    train_passes: float = 4.0  # forward+backward = 3 forward passes, +1 for the proximal log-prob recompute
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1:
@@ -265,7 +304,7 @@ class Workload:
             raise SpecError("workload: ppo_minibatches, microbatch_tokens and max_batch must be >= 1")
 
     @staticmethod
-    def from_quantiles(mean: float, quantiles: dict[float, float] | None = None, n: int = 64, **kw) -> "Workload":
+    def from_quantiles(mean: float, quantiles: dict[float, float] | None = None, n: int = 64, **kw) -> Workload:
         """Build P from a mean and a few quantiles {q: length} (piecewise linear, rescaled to the mean)."""
         if not quantiles:
             return Workload(gen_samples=[float(mean)], **kw)
@@ -315,19 +354,20 @@ PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 
 # ----------------------------------------------------------------------------- efficiency
 
+
 @dataclass
 class TypeEfficiency:
-    mfu_train: float = 0.35   # achieved / peak FLOP/s in training
-    mfu_infer: float = 0.5    # achieved / peak FLOP/s in decode and prefill
-    hbm_eff: float = 0.7      # achieved / peak HBM bandwidth in decode
+    mfu_train: float = 0.35  # achieved / peak FLOP/s in training
+    mfu_infer: float = 0.5  # achieved / peak FLOP/s in decode and prefill
+    hbm_eff: float = 0.7  # achieved / peak HBM bandwidth in decode
 
 
 @dataclass
 class Efficiency:
     per_type: dict[str, TypeEfficiency] = field(default_factory=dict)
-    link_eff: float = 0.5          # achieved / nominal bandwidth of weight-sync transfers
-    sync_latency_s: float = 1.0    # fixed cost of one weight update (pause, bucket handshakes, reload)
-    mem_frac: float = 0.9          # usable fraction of HBM
+    link_eff: float = 0.5  # achieved / nominal bandwidth of weight-sync transfers
+    sync_latency_s: float = 1.0  # fixed cost of one weight update (pause, bucket handshakes, reload)
+    mem_frac: float = 0.9  # usable fraction of HBM
 
     def of(self, type_name: str) -> TypeEfficiency:
         return self.per_type.get(type_name) or self.per_type.get("*") or TypeEfficiency()
@@ -336,13 +376,13 @@ class Efficiency:
         return asdict(self)
 
     @staticmethod
-    def from_dict(d: dict | None) -> "Efficiency":
+    def from_dict(d: dict | None) -> Efficiency:
         d = dict(d or {})
         per = {k: TypeEfficiency(**v) for k, v in (d.pop("per_type", None) or {}).items()}
         return Efficiency(per_type=per, **d)
 
     @staticmethod
-    def load(path: str | os.PathLike | None) -> "Efficiency":
+    def load(path: str | os.PathLike | None) -> Efficiency:
         if path is None:
             return Efficiency()
         with open(path) as f:
@@ -351,6 +391,7 @@ class Efficiency:
 
 # ----------------------------------------------------------------------------- rollout
 
+
 def split_layers(layers: int, parts: int) -> list[int]:
     base, extra = divmod(layers, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
@@ -358,14 +399,23 @@ def split_layers(layers: int, parts: int) -> list[int]:
 
 @dataclass(frozen=True)
 class ReplicaCost:
-    batch: int            # concurrent sequences that fit (continuous batching)
-    round_s: float        # one decode step of the whole batch
-    tokens_per_s: float   # h_psi: generated tokens / s
+    batch: int  # concurrent sequences that fit (continuous batching)
+    round_s: float  # one decode step of the whole batch
+    tokens_per_s: float  # h_psi: generated tokens / s
     prefill_tflops: float  # achieved FLOP/s available for prefill (TFLOP/s)
 
 
-def decode_round_s(model: ModelSpec, gpu: GPUType, eff: TypeEfficiency, tp: int, pp: int, batch: float,
-                   context: float, nbytes: int, pp_gbps: float) -> float:
+def decode_round_s(
+    model: ModelSpec,
+    gpu: GPUType,
+    eff: TypeEfficiency,
+    tp: int,
+    pp: int,
+    batch: float,
+    context: float,
+    nbytes: int,
+    pp_gbps: float,
+) -> float:
     """Time for one decode step of `batch` sequences on a tp x pp replica (roofline per stage).
 
     Stage k holds l_k layers and serves the batch as pp micro-batches, so per step each of its GPUs reads
@@ -408,8 +458,9 @@ def replica_memory_batch(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: W
     return max(best or 0, 0)
 
 
-def replica_cost(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, eff: Efficiency,
-                 pp_gbps: float) -> ReplicaCost | None:
+def replica_cost(
+    model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, eff: Efficiency, pp_gbps: float
+) -> ReplicaCost | None:
     """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit."""
     batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac), wl.max_batch)
     if batch < 1:
@@ -419,8 +470,9 @@ def replica_cost(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload,
     return ReplicaCost(batch, round_s, batch / round_s, tp * pp * gpu.tflops * te.mfu_infer)
 
 
-def rollout_seconds(model: ModelSpec, wl: Workload, tokens_per_s: float, prefill_tflops: float,
-                    tail_tokens_per_s: float) -> float:
+def rollout_seconds(
+    model: ModelSpec, wl: Workload, tokens_per_s: float, prefill_tflops: float, tail_tokens_per_s: float
+) -> float:
     """C_ROLLOUT per step: decode B*E[g] tokens at the aggregate rate Sigma y*h (Eq. 2 with continuous x_psi),
     plus prefill (2 * params * prompt FLOPs per sequence on the replicas' compute). With eta >= 1 admission
     keeps every replica full while long sequences finish, so the output-length tail is hidden (it shows up as
@@ -436,18 +488,20 @@ def rollout_seconds(model: ModelSpec, wl: Workload, tokens_per_s: float, prefill
 
 # ----------------------------------------------------------------------------- training
 
+
 @dataclass(frozen=True)
 class StageSpec:
     gpu_type: str
     layers: int
     machines: tuple[int, ...]  # machines its dp*tp GPUs live on
-    tp_gbps: float             # slowest link inside a TP group
-    dp_gbps: float             # slowest link inside a DP group
-    next_gbps: float           # link to the next stage (0 for the last)
+    tp_gbps: float  # slowest link inside a TP group
+    dp_gbps: float  # slowest link inside a DP group
+    next_gbps: float  # link to the next stage (0 for the last)
 
 
-def train_memory_bytes(model: ModelSpec, stage_layers: int, last: bool, first: bool, dp: int, tp: int,
-                       pp_rank: int, pp: int, wl: Workload) -> float:
+def train_memory_bytes(
+    model: ModelSpec, stage_layers: int, last: bool, first: bool, dp: int, tp: int, pp_rank: int, pp: int, wl: Workload
+) -> float:
     """Per-GPU training memory: bf16 weights (2 B/param) + fp32 grads (4) + Adam master/m/v (12, sharded
     over dp as in a distributed optimizer), activations with full recompute (layer inputs of the micro-batches
     in flight under 1F1B, plus one layer's working set ~34*mb*H bytes), and fp32 logits on the last stage."""
@@ -460,14 +514,21 @@ def train_memory_bytes(model: ModelSpec, stage_layers: int, last: bool, first: b
     return states + acts + logits
 
 
-def train_step_seconds(model: ModelSpec, stages: list[StageSpec], dp: int, tp: int, gpu_types: dict[str, GPUType],
-                       wl: Workload, eff: Efficiency) -> float:
+def train_step_seconds(
+    model: ModelSpec,
+    stages: list[StageSpec],
+    dp: int,
+    tp: int,
+    gpu_types: dict[str, GPUType],
+    wl: Workload,
+    eff: Efficiency,
+) -> float:
     """C_TRAIN per RL step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
-      per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
-                                       + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
-                                       + PP send of mb*H bytes per pass to the next stage
-      pipeline per minibatch = sum_k t_k + (m - 1) * max_k t_k      (1F1B bubble, m micro-batches per replica)
-      + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)."""
+    per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
+                                     + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
+                                     + PP send of mb*H bytes per pass to the next stage
+    pipeline per minibatch = sum_k t_k + (m - 1) * max_k t_k      (1F1B bubble, m micro-batches per replica)
+    + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)."""
     nbytes = wl.bytes
     context = wl.decode_context  # mean attention span of a token in a packed sequence
     mb = wl.microbatch_tokens
@@ -479,7 +540,9 @@ def train_step_seconds(model: ModelSpec, stages: list[StageSpec], dp: int, tp: i
     for k, st in enumerate(stages):
         gpu, te = gpu_types[st.gpu_type], eff.of(st.gpu_type)
         last = k == len(stages) - 1
-        flops = passes * mb * (st.layers * model.layer_flops_per_token(context) + (2 * model.head_params if last else 0))
+        flops = (
+            passes * mb * (st.layers * model.layer_flops_per_token(context) + (2 * model.head_params if last else 0))
+        )
         t = flops / (tp * gpu.tflops * 1e12 * te.mfu_train)
         if tp > 1:
             ar_bytes = 2 * (tp - 1) / tp * mb * model.hidden * nbytes
@@ -501,6 +564,7 @@ def train_tokens_per_s(wl: Workload, train_s: float) -> float:
 
 # ----------------------------------------------------------------------------- weight sync, step
 
+
 def sync_seconds(model: ModelSpec, wl: Workload, eff: Efficiency, gbps: float, fraction: float = 1.0) -> float:
     """C_UPDATE of `fraction` of the weights over one trainer->rollout-machine link: latency + bytes / (eff * bw).
     The planner sums this over pipeline stages (one NIC receives them in turn) and takes the slowest rollout
@@ -517,18 +581,20 @@ def step_seconds(rollout_s: float, train_s: float, sync_s: float, wl: Workload) 
 
 # ----------------------------------------------------------------------------- local profile (cpu cluster)
 
+
 def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
     """Measure one process's matmul FLOP/s and memcpy bandwidth with numpy (< `seconds` in total)."""
     import time
 
     import numpy as np
+
     n = 256
     a, b = np.random.rand(n, n).astype(np.float32), np.random.rand(n, n).astype(np.float32)
     t0, reps = time.perf_counter(), 0
     while time.perf_counter() - t0 < seconds / 2:
         a @ b
         reps += 1
-    tflops = 2 * n ** 3 * reps / (time.perf_counter() - t0) / 1e12
+    tflops = 2 * n**3 * reps / (time.perf_counter() - t0) / 1e12
     src = np.ones(8 * 1024 * 1024, dtype=np.float32)
     dst = np.empty_like(src)
     t0, reps = time.perf_counter(), 0

@@ -11,6 +11,7 @@ or unreachable. Rows that lack a field are skipped and counted (one warning line
 row and field. The returned `datasets.Dataset` has columns prompt_id (int: the row's index in its source, so ids
 survive skipped rows), question and answer (gold string, scored by reward_math).
 """
+
 from __future__ import annotations
 
 import json
@@ -46,18 +47,25 @@ class DatasetSpec:
     hub_id: str
     config: str | None
     fields: FieldMap
-    splits: tuple[str, ...]          # the splits the source offers
-    local_dir: str | None = None     # vendored copy, used when the hub is unavailable
+    splits: tuple[str, ...]  # the splits the source offers
+    local_dir: str | None = None  # vendored copy, used when the hub is unavailable
 
 
 PRESETS: dict[str, DatasetSpec] = {
-    "gsm8k": DatasetSpec("openai/gsm8k", "main", FieldMap("question", "answer", "gsm8k"), ("train", "test"),
-                         local_dir=os.path.join(REPO_ROOT, "data", "gsm8k")),
-    "math": DatasetSpec("DigitalLearningGmbH/MATH-lighteval", "default", FieldMap("problem", "solution", "boxed"),
-                        ("train", "test")),
+    "gsm8k": DatasetSpec(
+        "openai/gsm8k",
+        "main",
+        FieldMap("question", "answer", "gsm8k"),
+        ("train", "test"),
+        local_dir=os.path.join(REPO_ROOT, "data", "gsm8k"),
+    ),
+    "math": DatasetSpec(
+        "DigitalLearningGmbH/MATH-lighteval", "default", FieldMap("problem", "solution", "boxed"), ("train", "test")
+    ),
     "math500": DatasetSpec("HuggingFaceH4/MATH-500", None, FieldMap("problem", "solution", "boxed"), ("test",)),
-    "deepscaler": DatasetSpec("agentica-org/DeepScaleR-Preview-Dataset", None, FieldMap("problem", "answer", "plain"),
-                              ("train",)),
+    "deepscaler": DatasetSpec(
+        "agentica-org/DeepScaleR-Preview-Dataset", None, FieldMap("problem", "answer", "plain"), ("train",)
+    ),
 }
 
 
@@ -68,9 +76,9 @@ class BadRowError(ValueError):
 # ----------------------------------------------------------------------------------------------------------------
 # Reading raw rows: (row number, dict) from local files or the hub.
 
+
 def _looks_like_path(source: str) -> bool:
-    return (source.endswith(LOCAL_EXTENSIONS) or source.startswith(("/", "./", "../", "~"))
-            or os.path.exists(source))
+    return source.endswith(LOCAL_EXTENSIONS) or source.startswith(("/", "./", "../", "~")) or os.path.exists(source)
 
 
 def _local_file_for_split(directory: str, split: str) -> str:
@@ -108,6 +116,7 @@ def _read_local(path: str, split: str) -> tuple[str, list[tuple[int, object]]]:
         return path, list(enumerate(data, start=1))
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
+
         return path, list(enumerate(pq.read_table(path).to_pylist(), start=1))
     raise ValueError(f"unsupported math dataset file {path}: expected one of {LOCAL_EXTENSIONS}")
 
@@ -118,8 +127,10 @@ class _InvalidJson:
 
 
 def _hub_offline() -> bool:
-    return any(os.environ.get(var, "").lower() in ("1", "true", "yes", "on")
-               for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE"))
+    return any(
+        os.environ.get(var, "").lower() in ("1", "true", "yes", "on")
+        for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
 
 
 def _read_hub(hub_id: str, config: str | None, split: str) -> list[tuple[int, object]]:
@@ -129,6 +140,7 @@ def _read_hub(hub_id: str, config: str | None, split: str) -> list[tuple[int, ob
 
 # ----------------------------------------------------------------------------------------------------------------
 # Raw row -> (question, gold answer).
+
 
 def _field(raw: dict, name: str) -> str | None:
     value = raw.get(name)
@@ -163,8 +175,9 @@ def _question_and_gold(raw: object, fields: FieldMap) -> tuple[str, str]:
     return question, answer
 
 
-def _build(rows: list[tuple[int, object]], fields: FieldMap, origin: str, on_bad_row: str,
-           max_rows: int | None) -> datasets.Dataset:
+def _build(
+    rows: list[tuple[int, object]], fields: FieldMap, origin: str, on_bad_row: str, max_rows: int | None
+) -> datasets.Dataset:
     prompt_ids, questions, answers, bad = [], [], [], 0
     for number, raw in rows:
         if max_rows is not None and len(prompt_ids) >= max_rows:
@@ -182,19 +195,29 @@ def _build(rows: list[tuple[int, object]], fields: FieldMap, origin: str, on_bad
     if bad:
         log.warning("%s: skipped %d of %d rows missing %r/%r", origin, bad, len(rows), fields.question, fields.answer)
     if not prompt_ids:
-        raise ValueError(f"{origin}: no usable rows ({bad} bad of {len(rows)}); check the field mapping "
-                         f"question={fields.question!r} answer={fields.answer!r}")
-    features = datasets.Features({"prompt_id": datasets.Value("int64"), "question": datasets.Value("string"),
-                                  "answer": datasets.Value("string")})
-    return datasets.Dataset.from_dict({"prompt_id": prompt_ids, "question": questions, "answer": answers},
-                                      features=features)
+        raise ValueError(
+            f"{origin}: no usable rows ({bad} bad of {len(rows)}); check the field mapping "
+            f"question={fields.question!r} answer={fields.answer!r}"
+        )
+    features = datasets.Features(
+        {"prompt_id": datasets.Value("int64"), "question": datasets.Value("string"), "answer": datasets.Value("string")}
+    )
+    return datasets.Dataset.from_dict(
+        {"prompt_id": prompt_ids, "question": questions, "answer": answers}, features=features
+    )
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # Public entry points.
 
-def load_math_dataset(source: str, split: str = "train", fields: FieldMap | None = None, on_bad_row: str = "skip",
-                      max_rows: int | None = None) -> datasets.Dataset:
+
+def load_math_dataset(
+    source: str,
+    split: str = "train",
+    fields: FieldMap | None = None,
+    on_bad_row: str = "skip",
+    max_rows: int | None = None,
+) -> datasets.Dataset:
     """Rows (prompt_id, question, answer) from a preset, a hub id, or a local file/directory (see module doc).
 
     `fields` overrides the preset's mapping (default for hub ids and files: question/answer, plain)."""
@@ -216,8 +239,10 @@ def load_math_dataset(source: str, split: str = "train", fields: FieldMap | None
             rows = _read_hub(spec.hub_id, spec.config, split)
         except Exception as e:  # no network, no cache, hub outage: the vendored copy is the same data
             if spec.local_dir is None:
-                raise RuntimeError(f"cannot load {spec.hub_id} ({type(e).__name__}: {e}); download it into the "
-                                   "datasets cache or pass a local jsonl/parquet path") from None
+                raise RuntimeError(
+                    f"cannot load {spec.hub_id} ({type(e).__name__}: {e}); download it into the "
+                    "datasets cache or pass a local jsonl/parquet path"
+                ) from None
             log.warning("%s unavailable (%s); reading vendored %s", spec.hub_id, type(e).__name__, spec.local_dir)
             origin, rows = _read_local(spec.local_dir, split)
             return _build(rows, fields, origin, on_bad_row, max_rows)
@@ -229,8 +254,10 @@ def load_math_dataset(source: str, split: str = "train", fields: FieldMap | None
     try:
         rows = _read_hub(source, None, split)
     except Exception as e:
-        raise RuntimeError(f"cannot load hub dataset {source!r} split {split!r} ({type(e).__name__}: {e}); "
-                           "if it is a local path, check that it exists") from None
+        raise RuntimeError(
+            f"cannot load hub dataset {source!r} split {split!r} ({type(e).__name__}: {e}); "
+            "if it is a local path, check that it exists"
+        ) from None
     return _build(rows, fields, f"{source}[{split}]", on_bad_row, max_rows)
 
 
@@ -240,8 +267,9 @@ def _available_splits(source: str) -> tuple[str, ...]:
         return spec.splits
     path = os.path.expanduser(source)
     if os.path.isdir(path):
-        return tuple(s for s in ("train", "test") if any(os.path.isfile(os.path.join(path, s + e))
-                                                         for e in LOCAL_EXTENSIONS))
+        return tuple(
+            s for s in ("train", "test") if any(os.path.isfile(os.path.join(path, s + e)) for e in LOCAL_EXTENSIONS)
+        )
     return ("train",)  # a single file or a hub id: its train split, held out below
 
 
@@ -275,6 +303,7 @@ def format_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> s
         raise ValueError(f"format_prompt needs a non-empty question string, got {question!r}")
     content = f"{question.strip()}\n{instruction}" if instruction else question.strip()
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                             add_generation_prompt=True)
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
     return f"Question: {content}\nAnswer:"

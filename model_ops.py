@@ -2,16 +2,17 @@
 RMSNorm with HF's bits in fewer ops, sliding windows read the way HF reads them, and fused projections
 whose storage layout is chosen per shape on CPU. Every function here is exact against the HF module it
 replaces (tests/test_generator.py)."""
+
 from __future__ import annotations
 
 import time
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")   # cos/sin depend on the position only
-RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")   # x * rsqrt(mean x^2 + eps) * w
+ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x * rsqrt(mean x^2 + eps) * w
 
 
 def signed_sin(sin: torch.Tensor) -> torch.Tensor:
@@ -22,7 +23,7 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
 
 def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
     """x [B, heads, L, D] rotated by cos and signed_sin(sin) [B, L, D]."""
-    cos, sin_signed = cos.unsqueeze(1), sin_signed.unsqueeze(1)   # [B, 1, L, D] broadcast over heads
+    cos, sin_signed = cos.unsqueeze(1), sin_signed.unsqueeze(1)  # [B, 1, L, D] broadcast over heads
     return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
 
 
@@ -76,30 +77,36 @@ def input_major_is_faster(out_features: int, in_features: int, rows: int, dtype:
     return _INPUT_MAJOR_FASTER[key]
 
 
-def fuse_linears(linears: list[torch.nn.Linear], input_major: Callable[[int, int], bool]) \
-        -> tuple[torch.Tensor, torch.Tensor | None]:
+def fuse_linears(
+    linears: list[torch.nn.Linear], input_major: Callable[[int, int], bool]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
     Returned as an [out, in] view like an nn.Linear weight. The layers' parameters become views of it, so
     whatever writes them (update_weights, load_state_dict, another Generator on the same model) writes the
     fused matrix too, and no memory is duplicated. `input_major(out, in)` says whether to store it [in, out]."""
+
     def cols():
         col = 0
         for lin in linears:
             yield lin, slice(col, col + lin.out_features)
             col += lin.out_features
 
-    fused = getattr(linears[0], "_fused", None)   # a Generator built on this model before
+    fused = getattr(linears[0], "_fused", None)  # a Generator built on this model before
     if fused is not None and all(
-            lin.weight.data_ptr() == fused[0][r].data_ptr() and lin.weight.stride() == fused[0][r].stride() and
-            (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr()) for lin, r in cols()):
+        lin.weight.data_ptr() == fused[0][r].data_ptr()
+        and lin.weight.stride() == fused[0][r].stride()
+        and (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr())
+        for lin, r in cols()
+    ):
         return fused
     weight = torch.cat([lin.weight.detach() for lin in linears])
     if input_major(*weight.shape):
         weight = weight.t().contiguous().t()
     bias = None
     if any(lin.bias is not None for lin in linears):
-        bias = torch.cat([lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features)
-                          for lin in linears])
+        bias = torch.cat(
+            [lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears]
+        )
     for lin, r in cols():
         lin.weight.data = weight[r]
         if lin.bias is not None:

@@ -10,12 +10,13 @@ and rollout GPUs, plan each side.
 `SplitPlanner` holds the cluster, model, workload and the caches; schedule.Planner adds phase 2, the search
 over splits. Every time and memory formula is in cost_model.py.
 """
+
 from __future__ import annotations
 
 import itertools
 import math
 from dataclasses import dataclass, field
-from functools import lru_cache
+from functools import cache
 
 import mip
 
@@ -23,15 +24,15 @@ import cost_model as cm
 from cost_model import Cluster, Efficiency, ModelSpec, ReplicaCost, StageSpec, Workload
 from parallel.rankmap import PlanError
 
-
 # ----------------------------------------------------------------------------- plan pieces
+
 
 @dataclass
 class TrainPlan:
     dp: int
     tp: int
     pp: int
-    stages: list[tuple[str, int, list[int]]]   # (gpu_type, layers, gpu ids in tp-fastest order)
+    stages: list[tuple[str, int, list[int]]]  # (gpu_type, layers, gpu ids in tp-fastest order)
     seconds: float
 
 
@@ -48,7 +49,7 @@ class RolloutPlan:
     replicas: list[tuple[ReplicaConfig, list[int]]]  # config, gpu ids (stage-major, tp-fastest)
     tokens_per_s: float
     prefill_tflops: float
-    seq_tokens_per_s: float                          # decode speed of one sequence on the fastest replica
+    seq_tokens_per_s: float  # decode speed of one sequence on the fastest replica
 
 
 @dataclass
@@ -67,9 +68,17 @@ def powers_of_two(limit: int) -> list[int]:
 
 # ----------------------------------------------------------------------------- phase 1 for one split
 
+
 class SplitPlanner:
-    def __init__(self, cluster: Cluster, model: ModelSpec, wl: Workload, eff: Efficiency | None = None,
-                 max_seconds: float = 10.0, forced_layout: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        model: ModelSpec,
+        wl: Workload,
+        eff: Efficiency | None = None,
+        max_seconds: float = 10.0,
+        forced_layout: tuple[int, int, int] | None = None,
+    ) -> None:
         self.cluster, self.model, self.wl = cluster, model, wl
         self.eff = eff or Efficiency()
         self.max_seconds = max_seconds
@@ -97,7 +106,7 @@ class SplitPlanner:
             return None
         g = math.gcd(*[len(ids) for ids in per_type.values()])
         best: TrainPlan | None = None
-        for group in (d for d in range(1, g + 1) if g % d == 0):     # group = dp * tp GPUs of one stage
+        for group in (d for d in range(1, g + 1) if g % d == 0):  # group = dp * tp GPUs of one stage
             pp = total // group
             if pp > self.model.layers:
                 continue
@@ -116,15 +125,17 @@ class SplitPlanner:
         kv = self.model.kv_heads
         return self.model.heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
 
-    def _layout(self, per_type: dict[str, list[int]], order: tuple[str, ...], dp: int, tp: int, pp: int) -> TrainPlan | None:
+    def _layout(
+        self, per_type: dict[str, list[int]], order: tuple[str, ...], dp: int, tp: int, pp: int
+    ) -> TrainPlan | None:
         ids = [i for t in order for i in per_type[t]]
         group = dp * tp
-        blocks = [ids[k * group:(k + 1) * group] for k in range(pp)]
+        blocks = [ids[k * group : (k + 1) * group] for k in range(pp)]
         types = [self.cluster.machines[self.gpu_machine[b[0]]].gpu_type for b in blocks]
         gm = self.gpu_machine
         specs = []
         for k, b in enumerate(blocks):
-            tp_groups = [b[j * tp:(j + 1) * tp] for j in range(dp)]
+            tp_groups = [b[j * tp : (j + 1) * tp] for j in range(dp)]
             dp_groups = [b[j::tp] for j in range(tp)]
             tp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in tp_groups)
             dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
@@ -166,7 +177,7 @@ class SplitPlanner:
         def time_of(k: int, lk: int) -> float:
             return (lk * f_layer + head[k]) / speed[k]
 
-        for _ in range(L * pp):                                   # memory rebalance
+        for _ in range(L * pp):  # memory rebalance
             over = [k for k in range(pp) if not mem_ok(k, layers[k])]
             if not over:
                 break
@@ -178,12 +189,15 @@ class SplitPlanner:
             layers[min(dst, key=lambda j: time_of(j, layers[j] + 1))] += 1
         if any(not mem_ok(k, layers[k]) for k in range(pp)):
             return None
-        for _ in range(L):                                        # balance: shave the slowest stage
+        for _ in range(L):  # balance: shave the slowest stage
             slow = max(range(pp), key=lambda k: time_of(k, layers[k]))
             if layers[slow] <= 1:
                 break
-            cands = [j for j in range(pp) if j != slow and mem_ok(j, layers[j] + 1)
-                     and time_of(j, layers[j] + 1) < time_of(slow, layers[slow])]
+            cands = [
+                j
+                for j in range(pp)
+                if j != slow and mem_ok(j, layers[j] + 1) and time_of(j, layers[j] + 1) < time_of(slow, layers[slow])
+            ]
             if not cands:
                 break
             layers[slow] -= 1
@@ -292,8 +306,9 @@ class SplitPlanner:
         seq = max(1.0 / c.cost.round_s for c, _ in replicas)
         return RolloutPlan(replicas, total, prefill, seq)
 
-    def _place_replicas(self, gpu_type: str, free: list[tuple[int, int]], sol: dict,
-                        train_counts: tuple[int, ...]) -> list[tuple[ReplicaConfig, list[int]]]:
+    def _place_replicas(
+        self, gpu_type: str, free: list[tuple[int, int]], sol: dict, train_counts: tuple[int, ...]
+    ) -> list[tuple[ReplicaConfig, list[int]]]:
         """Turn replica counts into concrete GPUs: cut each machine's rollout GPUs into TP groups
         (largest first, contiguous local ids), then give each replica pp groups of its TP size."""
         configs = self.replica_configs(gpu_type)
@@ -305,7 +320,7 @@ class SplitPlanner:
         machines = sorted(free, key=lambda rm: (-rm[0], rm[1]))
         cursor = {m: self.first[m] + train_counts[m] for _, m in machines}
         left = {m: r for r, m in machines}
-        for tp in sorted(need, reverse=True):                 # first-fit decreasing (exact for powers of 2)
+        for tp in sorted(need, reverse=True):  # first-fit decreasing (exact for powers of 2)
             for _, m in machines:
                 while len(groups[tp]) < need[tp] and left[m] >= tp:
                     groups[tp].append(list(range(cursor[m], cursor[m] + tp)))
@@ -321,7 +336,7 @@ class SplitPlanner:
         return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _tp_patterns(r: int, tps: tuple[int, ...]) -> list[tuple[int, ...]]:
     """Every multiset of TP group sizes (from tps) that fits in r GPUs of one machine."""
     out = []
@@ -336,7 +351,7 @@ def _tp_patterns(r: int, tps: tuple[int, ...]) -> list[tuple[int, ...]]:
     return out
 
 
-@lru_cache(maxsize=None)
+@cache
 def _pack(groups: tuple[int, ...], bins: tuple[int, ...]) -> bool:
     """Can these TP groups (sizes, descending) be placed into machines with `bins` free GPUs?"""
     if not groups:
@@ -346,7 +361,7 @@ def _pack(groups: tuple[int, ...], bins: tuple[int, ...]) -> bool:
     for i, b in enumerate(bins):
         if b >= g and b not in tried:
             tried.add(b)
-            nb = tuple(sorted(bins[:i] + (b - g,) + bins[i + 1:], reverse=True))
+            nb = tuple(sorted(bins[:i] + (b - g,) + bins[i + 1 :], reverse=True))
             if _pack(rest, nb):
                 return True
     return False

@@ -14,6 +14,7 @@ as rationals in-process. That fast path covers GSM8K and our synthetic arithmeti
 Public API: score, score_details, ScoreDetails, ScoreLimits, scaled, extract_answer, last_boxed, RewardPool,
 pass_at_k, avg_at_k, warm_up.
 """
+
 from __future__ import annotations
 
 import re
@@ -21,31 +22,33 @@ import select
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Hashable, Sequence
 
-from verify_worker import VerifierProcess
+from verify_worker import (
+    VerifierProcess,
+    warm_up,  # noqa: F401 (public API)
+)
 from verify_worker import verify_unbounded as _verify_unbounded  # noqa: F401 (the reference in tests)
 from verify_worker import verify_with_timeout as _verify_with_timeout
-from verify_worker import warm_up  # noqa: F401 (public API)
 
 REASONS = ("correct", "wrong", "no_answer", "timeout", "parse_error")
 
 
 @dataclass(frozen=True)
 class ScoreDetails:
-    reward: float             # 1.0 correct, 0.0 otherwise
-    extracted: str | None     # the final answer we pulled out of the response (None if there was none)
-    reason: str               # one of REASONS
+    reward: float  # 1.0 correct, 0.0 otherwise
+    extracted: str | None  # the final answer we pulled out of the response (None if there was none)
+    reason: str  # one of REASONS
 
 
 @dataclass(frozen=True)
 class ScoreLimits:
-    max_response_chars: int = 200_000   # longer responses are rejected outright (parse_error), never scanned
-    max_answer_chars: int = 1_000       # an extracted answer (or gold) longer than this is not parsed
-    max_brace_depth: int = 32           # deeper nesting is pathological for the LaTeX parser
-    timeout_s: float = 1.0              # wall-clock bound on one math-verify call (worker is killed past it)
+    max_response_chars: int = 200_000  # longer responses are rejected outright (parse_error), never scanned
+    max_answer_chars: int = 1_000  # an extracted answer (or gold) longer than this is not parsed
+    max_brace_depth: int = 32  # deeper nesting is pathological for the LaTeX parser
+    timeout_s: float = 1.0  # wall-clock bound on one math-verify call (worker is killed past it)
 
 
 DEFAULT_LIMITS = ScoreLimits()
@@ -70,7 +73,7 @@ def _find_last_box(text: str, max_chars: int) -> str | None:
     cmd_len = len("\\boxed") if text.startswith("\\boxed", start) else len("\\fbox")
     i = start + cmd_len
     if i < len(text) and text[i] == " ":  # MATH's `\boxed 5` form: a single token after a space
-        m = re.match(r" +([^\s$]+)", text[i:i + max_chars + 8])
+        m = re.match(r" +([^\s$]+)", text[i : i + max_chars + 8])
         return m.group(1) if m else None
     if i >= len(text) or text[i] != "{":
         return None
@@ -82,7 +85,7 @@ def _find_last_box(text: str, max_chars: int) -> str | None:
         elif c == "}":
             depth -= 1
             if depth == 0:
-                return text[i + 1:j]
+                return text[i + 1 : j]
     return None  # unclosed (truncated generation) or longer than max_chars
 
 
@@ -96,7 +99,7 @@ def _strip_math_delimiters(ans: str) -> str:
     ans = ans.strip().strip("*").strip()  # markdown bold around the answer
     for left, right in (("$$", "$$"), ("\\[", "\\]"), ("\\(", "\\)"), ("$", "$")):
         if len(ans) >= len(left) + len(right) and ans.startswith(left) and ans.endswith(right):
-            ans = ans[len(left):len(ans) - len(right)].strip()
+            ans = ans[len(left) : len(ans) - len(right)].strip()
             break
     return ans.rstrip(".").strip()
 
@@ -110,19 +113,19 @@ def extract_answer(response: str, limits: ScoreLimits = DEFAULT_LIMITS) -> str |
         return _strip_math_delimiters(boxed)
     hashes = response.rfind("####")
     if hashes >= 0:
-        line = response[hashes + 4:hashes + 4 + limits.max_answer_chars + 1].split("\n", 1)[0]
+        line = response[hashes + 4 : hashes + 4 + limits.max_answer_chars + 1].split("\n", 1)[0]
         end = _SENTENCE_END.search(line)
-        ans = _strip_math_delimiters(line[:end.start()] if end else line)
+        ans = _strip_math_delimiters(line[: end.start()] if end else line)
         if ans:
             return ans
     tail = response[-_ANSWER_IS_WINDOW:]
     last = None
-    for last in _ANSWER_IS.finditer(tail):
-        pass
+    for match in _ANSWER_IS.finditer(tail):
+        last = match
     if last is not None:
-        rest = tail[last.end():].split("\n", 1)[0]
+        rest = tail[last.end() :].split("\n", 1)[0]
         end = _SENTENCE_END.search(rest)
-        ans = _strip_math_delimiters(rest[:end.start()] if end else rest)
+        ans = _strip_math_delimiters(rest[: end.start()] if end else rest)
         boxed_inside = _find_last_box(ans, limits.max_answer_chars)
         ans = _strip_math_delimiters(boxed_inside) if boxed_inside is not None else ans
         if ans:
@@ -146,9 +149,42 @@ _PLAIN_NUMBER = re.compile(r"[+-]?(?:\d{1,3}(?:,\d{3})+|\d+)?(?:\.\d+)?")
 _LATEX_UNIT = re.compile(r"\\(?:text|mbox|mathrm|textrm)\{\s*[A-Za-z][A-Za-z .]*\}(?:\^\{?\d\}?)?$")
 _UNIT_WORDS = re.compile(r"(?:\s+[A-Za-z]+\.?){1,3}$")
 # Trailing words that change the meaning of the number before them: never strip these as "units".
-_NOT_UNIT_WORDS = {"or", "and", "to", "plus", "minus", "times", "over", "divided", "by", "of", "not", "i", "x", "y",
-                   "n", "k", "e", "pi", "mod", "per", "more", "less", "than", "about", "approximately", "dozen",
-                   "hundred", "thousand", "million", "billion", "trillion", "hundreds", "thousands", "millions"}
+_NOT_UNIT_WORDS = {
+    "or",
+    "and",
+    "to",
+    "plus",
+    "minus",
+    "times",
+    "over",
+    "divided",
+    "by",
+    "of",
+    "not",
+    "i",
+    "x",
+    "y",
+    "n",
+    "k",
+    "e",
+    "pi",
+    "mod",
+    "per",
+    "more",
+    "less",
+    "than",
+    "about",
+    "approximately",
+    "dozen",
+    "hundred",
+    "thousand",
+    "million",
+    "billion",
+    "trillion",
+    "hundreds",
+    "thousands",
+    "millions",
+}
 
 
 @dataclass(frozen=True)
@@ -163,11 +199,11 @@ def _parse_plain_number(ans: str) -> _Number | None:
     s = _LATEX_UNIT.sub("", s).strip()
     words = _UNIT_WORDS.search(s)
     if words and not any(w.lower().rstrip(".") in _NOT_UNIT_WORDS for w in words.group(0).split()):
-        s = s[:words.start()].strip()
+        s = s[: words.start()].strip()
     percent = False
     for sign in ("\\%", "%"):
         if s.endswith(sign):
-            s, percent = s[:-len(sign)].strip(), True
+            s, percent = s[: -len(sign)].strip(), True
             break
     s = s.replace("\\$", "").replace("$", "").replace(" ", "")
     if not s or not any(ch.isdigit() for ch in s) or _PLAIN_NUMBER.fullmatch(s) is None:
@@ -186,6 +222,7 @@ def _numbers_equal(a: _Number, b: _Number) -> bool:
 # ----------------------------------------------------------------------------------------------------------------
 # caps before any parsing
 
+
 def _brace_depth(s: str) -> int:
     """Deepest {} nesting, or -1 if the braces do not balance (we wrap answers in \\boxed{...} for parsing,
     so an unbalanced answer like `3}` could otherwise close the box early)."""
@@ -203,6 +240,7 @@ def _brace_depth(s: str) -> int:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Scoring.
+
 
 class _ResultCache:
     """Small LRU of slow-path verdicts: GRPO groups repeat the same (answer, gold) pairs many times."""
@@ -237,8 +275,9 @@ def _prepare(response: str, gold: str, limits: ScoreLimits) -> ScoreDetails | tu
 
     Returns a final ScoreDetails, or the (answer, gold) pair that still needs math-verify."""
     if not isinstance(response, str) or not isinstance(gold, str):
-        raise TypeError(f"score expects (response: str, gold: str), got ({type(response).__name__}, "
-                        f"{type(gold).__name__})")
+        raise TypeError(
+            f"score expects (response: str, gold: str), got ({type(response).__name__}, {type(gold).__name__})"
+        )
     if not gold.strip():
         raise ValueError("gold answer is empty")
     if len(response) > limits.max_response_chars:
@@ -248,7 +287,7 @@ def _prepare(response: str, gold: str, limits: ScoreLimits) -> ScoreDetails | tu
         return _details("no_answer", None)
     gold = _normalize_gold(gold, limits)
     if len(answer) > limits.max_answer_chars:
-        return _details("parse_error", answer[:limits.max_answer_chars])
+        return _details("parse_error", answer[: limits.max_answer_chars])
     answer_number, gold_number = _parse_plain_number(answer), _parse_plain_number(gold)
     if answer_number is not None and gold_number is not None:
         return _details("correct" if _numbers_equal(answer_number, gold_number) else "wrong", answer)
@@ -294,6 +333,7 @@ def scaled(reward: float | ScoreDetails, correct: float = 1.0, wrong: float = 0.
 # ----------------------------------------------------------------------------------------------------------------
 # Reward as a pipeline stage: scoring off the generation loop's critical path.
 
+
 class RewardPool:
     """Non-blocking scorer: submit(key, response, gold) now, poll() later for [(key, ScoreDetails, seconds)].
 
@@ -302,8 +342,7 @@ class RewardPool:
     and its job answers reason 'timeout', reward 0. `seconds` is each job's service time (inline compute, or
     dispatch-to-verdict for a worker job); `reward_s` is their running sum, for the planner's cost model."""
 
-    def __init__(self, num_workers: int = 2, limits: ScoreLimits = DEFAULT_LIMITS,
-                 memory_budget_bytes: int = 2 << 30):
+    def __init__(self, num_workers: int = 2, limits: ScoreLimits = DEFAULT_LIMITS, memory_budget_bytes: int = 2 << 30):
         if num_workers < 1:
             raise ValueError(f"RewardPool needs num_workers >= 1, got {num_workers}")
         self.limits, self.memory_budget_bytes = limits, memory_budget_bytes
@@ -416,7 +455,7 @@ class RewardPool:
             for worker in self._workers:
                 worker.close()
 
-    def __enter__(self) -> "RewardPool":
+    def __enter__(self) -> RewardPool:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -431,6 +470,7 @@ class RewardPool:
 
 # ----------------------------------------------------------------------------------------------------------------
 # Evaluation metrics over scored samples.
+
 
 def pass_at_k(n: int, c: int, k: int) -> float:
     """Unbiased pass@k (Chen et al. 2021): P(at least one of k draws without replacement from n samples, c correct,

@@ -25,13 +25,14 @@ recompute cost, but later tokens attend to K/V computed by the old weights, so t
 not exactly the new policy's (the trainer's recomputed/proximal log-probs must absorb the gap).
 Each generated token carries the policy version that sampled it.
 """
+
 from __future__ import annotations
 
 import dataclasses
 import time
 from collections import deque
+from collections.abc import Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Hashable, Iterable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ except ImportError:  # pragma: no cover - not installed on CPU machines
     flash_attn_with_kvcache = None
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
-LM_HEAD_BLOCK = 1024   # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
+LM_HEAD_BLOCK = 1024  # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
 
 
 def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: str = "never") -> dict:
@@ -54,17 +55,20 @@ def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: 
     is slower there), and uses flash-attn on a GPU when installed (opt-in: untested). Numbers: exp/GENERATOR.md."""
     on_gpu = device.type == "cuda"
     flash_ok = on_gpu and flash_attn_with_kvcache is not None
-    return dict(compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu,
-                use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok)
+    return dict(
+        compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu,
+        use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok,
+    )
 
 
 # ----------------------------------------------------------------------------- public data types
 
+
 @dataclass
 class SamplingParams:
-    temperature: float = 1.0      # 0 means greedy
-    top_p: float = 1.0            # nucleus mass kept, in (0, 1]
-    top_k: int = -1               # -1 keeps the whole vocabulary
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = -1  # -1 keeps the whole vocabulary
     max_new_tokens: int = 256
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int = 0
@@ -86,23 +90,23 @@ class SamplingParams:
 class RequestOutput:
     request_id: Hashable
     prompt_ids: list[int]
-    token_ids: list[int]       # generated tokens (a stop token, when hit, is included)
-    logprobs: list[float]      # see the log-prob convention in the module docstring
-    versions: list[int]        # policy version that sampled each token
-    finish_reason: str         # "stop" | "length"
+    token_ids: list[int]  # generated tokens (a stop token, when hit, is included)
+    logprobs: list[float]  # see the log-prob convention in the module docstring
+    versions: list[int]  # policy version that sampled each token
+    finish_reason: str  # "stop" | "length"
 
 
 @dataclass
 class GeneratorStats:
     decode_steps: int = 0
-    prefill_tokens: int = 0      # tokens whose K/V were (re)computed by prefill, recompute included
-    recompute_tokens: int = 0    # the part of prefill_tokens caused by weight updates
-    prefill_tokens_shared: int = 0   # prompt tokens whose K/V were copied from a slot with the same prompt
-    prefill_forwards: int = 0    # prefill-only forward passes (the last chunk of a step rides in its decode forward)
+    prefill_tokens: int = 0  # tokens whose K/V were (re)computed by prefill, recompute included
+    recompute_tokens: int = 0  # the part of prefill_tokens caused by weight updates
+    prefill_tokens_shared: int = 0  # prompt tokens whose K/V were copied from a slot with the same prompt
+    prefill_forwards: int = 0  # prefill-only forward passes (the last chunk of a step rides in its decode forward)
     generated_tokens: int = 0
     weight_updates: int = 0
-    prefill_seconds: float = 0.0     # planning, K/V copies and prefill-only forwards
-    decode_seconds: float = 0.0      # decode forwards, with the prefill rows riding in them, and sampling
+    prefill_seconds: float = 0.0  # planning, K/V copies and prefill-only forwards
+    decode_seconds: float = 0.0  # decode forwards, with the prefill rows riding in them, and sampling
 
     @property
     def seconds(self) -> float:
@@ -118,24 +122,24 @@ class _Request:
     logprobs: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     slot: int = -1
-    hashed_seed: int = 0        # seed_hash(params.seed), for the per-token uniforms
+    hashed_seed: int = 0  # seed_hash(params.seed), for the per-token uniforms
     needs_prefill: bool = True
-    cache_version: int = -1     # the weights its prompt's K/V in the cache were computed with
+    cache_version: int = -1  # the weights its prompt's K/V in the cache were computed with
 
     @property
     def all_tokens(self) -> list[int]:
         return self.prompt_ids + self.token_ids
 
     @property
-    def num_tokens(self) -> int:   # len(all_tokens) without building the list (read every decode step)
+    def num_tokens(self) -> int:  # len(all_tokens) without building the list (read every decode step)
         return len(self.prompt_ids) + len(self.token_ids)
 
 
 @dataclass
 class _PrefillChunk:
-    tokens: torch.Tensor        # [n, length] tokens[:-1] of n requests, right-padded
-    write_rows: torch.Tensor    # rows of the cache's flat [slots * kv_heads * max_seq_len, D] view ...
-    read_rows: torch.Tensor     # ... that receive these rows of the chunk's k/v ([n * length * kv_heads, D])
+    tokens: torch.Tensor  # [n, length] tokens[:-1] of n requests, right-padded
+    write_rows: torch.Tensor  # rows of the cache's flat [slots * kv_heads * max_seq_len, D] view ...
+    read_rows: torch.Tensor  # ... that receive these rows of the chunk's k/v ([n * length * kv_heads, D])
 
 
 class Generator:
@@ -144,9 +148,18 @@ class Generator:
     It fuses each layer's q/k/v and gate/up projections (their parameters become views of the fused
     matrices): move the model to its device and dtype before building the Generator, not after."""
 
-    def __init__(self, model, max_batch_size: int = 32, max_seq_len: int = 1024, version: int = 0,
-                 interrupt_mode: str = "recompute", compile_decode: bool = False,
-                 use_flash_attn: bool = False, max_prefill_tokens: int = 16384, weight_layout: str = "auto"):
+    def __init__(
+        self,
+        model,
+        max_batch_size: int = 32,
+        max_seq_len: int = 1024,
+        version: int = 0,
+        interrupt_mode: str = "recompute",
+        compile_decode: bool = False,
+        use_flash_attn: bool = False,
+        max_prefill_tokens: int = 16384,
+        weight_layout: str = "auto",
+    ):
         config = model.config
         model_type = getattr(config, "model_type", None)
         if model_type not in SUPPORTED_MODEL_TYPES:
@@ -181,11 +194,15 @@ class Generator:
             weight_layout = "row"
 
         def input_major(out_features: int, in_features: int) -> bool:
-            return weight_layout == "input" or weight_layout == "auto" and input_major_is_faster(
-                out_features, in_features, max_batch_size, self.dtype)
+            return (
+                weight_layout == "input"
+                or weight_layout == "auto"
+                and input_major_is_faster(out_features, in_features, max_batch_size, self.dtype)
+            )
 
-        self.qkv = [fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], input_major)
-                    for l in self.layers]
+        self.qkv = [
+            fuse_linears([l.self_attn.q_proj, l.self_attn.k_proj, l.self_attn.v_proj], input_major) for l in self.layers
+        ]
         self.gate_up = [fuse_linears([l.mlp.gate_proj, l.mlp.up_proj], input_major) for l in self.layers]
         self.o_proj = [fuse_linears([l.self_attn.o_proj], input_major) for l in self.layers]
         self.down_proj = [fuse_linears([l.mlp.down_proj], input_major) for l in self.layers]
@@ -194,8 +211,10 @@ class Generator:
         # (exact: cos/sin are elementwise in the position); rope types that rescale with length are called per step.
         self.rope_table = None
         if getattr(self.rotary, "rope_type", None) in ROPE_TABLE_TYPES:
-            cos, sin = self.rotary(torch.zeros(1, dtype=self.dtype, device=self.device),
-                                   torch.arange(max_seq_len, device=self.device).unsqueeze(0))
+            cos, sin = self.rotary(
+                torch.zeros(1, dtype=self.dtype, device=self.device),
+                torch.arange(max_seq_len, device=self.device).unsqueeze(0),
+            )
             self.rope_table = (cos[0], signed_sin(sin[0]))
 
         # The cache: per layer [slots, kv_heads, max_seq_len, head_dim], owned by us.
@@ -204,8 +223,9 @@ class Generator:
         self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
         self.cache_positions = torch.arange(max_seq_len, device=self.device)
         # row of (slot, kv head, position 0) in a cache's flat [slots * kv_heads * max_seq_len, D] view
-        self.kv_row_starts = torch.arange(max_batch_size * self.n_kv_heads, device=self.device) \
-            .view(max_batch_size, -1) * max_seq_len
+        self.kv_row_starts = (
+            torch.arange(max_batch_size * self.n_kv_heads, device=self.device).view(max_batch_size, -1) * max_seq_len
+        )
 
         self.waiting: deque[_Request] = deque()
         self.slots: list[_Request | None] = [None] * max_batch_size
@@ -221,8 +241,14 @@ class Generator:
                 # A CUDA graph replays fixed addresses. Tensors that are not parameters would otherwise be copied
                 # into the graph's own input buffers on every replay: the whole cache and the fused weights.
                 fused = [t for pair in self.qkv + self.gate_up + self.o_proj + self.down_proj for t in pair]
-                for t in [*self.k_cache, *self.v_cache, *fused, self.cache_positions, self.kv_row_starts,
-                          *(self.rope_table or ())]:
+                for t in [
+                    *self.k_cache,
+                    *self.v_cache,
+                    *fused,
+                    self.cache_positions,
+                    self.kv_row_starts,
+                    *(self.rope_table or ()),
+                ]:
                     if t is not None:
                         torch._dynamo.mark_static_address(t)
             self._decode_forward = torch.compile(self._forward_eager, mode=mode, dynamic=False)
@@ -235,14 +261,14 @@ class Generator:
         b, n = x.shape[:2]
         qkv = F.linear(rms_norm(self.layers[i].input_layernorm, x), *self.qkv[i])
         nq, nk, _ = self.qkv_sizes
-        v = qkv[..., nq + nk:].view(b, n, -1, self.head_dim).transpose(1, 2)
-        if hasattr(a, "q_norm"):   # Qwen3: per-head RMSNorm on q and k before RoPE
-            q, k = (t.view(b, n, -1, self.head_dim) for t in qkv[..., :nq + nk].split([nq, nk], -1))
+        v = qkv[..., nq + nk :].view(b, n, -1, self.head_dim).transpose(1, 2)
+        if hasattr(a, "q_norm"):  # Qwen3: per-head RMSNorm on q and k before RoPE
+            q, k = (t.view(b, n, -1, self.head_dim) for t in qkv[..., : nq + nk].split([nq, nk], -1))
             q, k = rms_norm(a.q_norm, q).transpose(1, 2), rms_norm(a.k_norm, k).transpose(1, 2)
             return rope(q, cos, sin), rope(k, cos, sin), v
         # q and k are adjacent in the fused output: rotate them as one tensor
-        qk = rope(qkv[..., :nq + nk].view(b, n, -1, self.head_dim).transpose(1, 2), cos, sin)
-        return qk[:, :self.n_heads], qk[:, self.n_heads:], v
+        qk = rope(qkv[..., : nq + nk].view(b, n, -1, self.head_dim).transpose(1, 2), cos, sin)
+        return qk[:, : self.n_heads], qk[:, self.n_heads :], v
 
     def _cos_sin(self, x: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """RoPE (cos, signed sin) [B, L, D] at positions [B, L]."""
@@ -269,11 +295,14 @@ class Generator:
         reqs = [r for r in reqs if r.num_tokens > 1]
         for r in reqs:
             r.cache_version = self.version
-        resident = {tuple(r.prompt_ids): r.slot for r in self.slots
-                    if r is not None and not r.needs_prefill and r.cache_version == self.version}
+        resident = {
+            tuple(r.prompt_ids): r.slot
+            for r in self.slots
+            if r is not None and not r.needs_prefill and r.cache_version == self.version
+        }
         computed: dict[tuple, _Request] = {}
         compute: list[_Request] = []
-        sharers: dict[int, list[int]] = {}     # id(computed request) -> slots that receive its rows too
+        sharers: dict[int, list[int]] = {}  # id(computed request) -> slots that receive its rows too
         for r in reqs:
             key = tuple(r.prompt_ids)
             if r.token_ids or key not in resident and key not in computed:
@@ -305,19 +334,21 @@ class Generator:
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
         heads = torch.arange(self.n_kv_heads)
-        dst, src = [], []   # cache rows (slot, kv head, position) <- rows (request, position, kv head) of k
+        dst, src = [], []  # cache rows (slot, kv head, position) <- rows (request, position, kv head) of k
         for i, (r, s) in enumerate(zip(reqs, seqs)):
-            tokens[i, :len(s)] = torch.tensor(s)
-            pos = torch.arange(len(s)).unsqueeze(1)                      # [len, 1]
+            tokens[i, : len(s)] = torch.tensor(s)
+            pos = torch.arange(len(s)).unsqueeze(1)  # [len, 1]
             for slot in [r.slot] + sharers.get(id(r), []):
                 dst.append((slot * self.n_kv_heads + heads) * self.max_seq_len + pos)
                 src.append((i * length + pos) * self.n_kv_heads + heads)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
-        return _PrefillChunk(tokens.to(self.device), torch.cat(dst).view(-1).to(self.device),
-                             torch.cat(src).view(-1).to(self.device))
+        return _PrefillChunk(
+            tokens.to(self.device), torch.cat(dst).view(-1).to(self.device), torch.cat(src).view(-1).to(self.device)
+        )
 
-    def _forward_eager(self, tokens: torch.Tensor, positions: torch.Tensor, span: int,
-                       chunk: _PrefillChunk | None = None) -> torch.Tensor | None:
+    def _forward_eager(
+        self, tokens: torch.Tensor, positions: torch.Tensor, span: int, chunk: _PrefillChunk | None = None
+    ) -> torch.Tensor | None:
         """One decode token for each of the first `tokens.shape[0]` slots, plus (optionally) the prefill rows
         of a chunk riding in the same GEMMs; returns fp32 logits [B, V] of the decode rows (None if B = 0).
 
@@ -331,7 +362,7 @@ class Generator:
         b = tokens.shape[0]
         kv = self.n_kv_heads
         write_rows = (self.kv_row_starts[:b] + positions.unsqueeze(1)).view(-1)
-        read_rows = None                                         # rows of k/v to write (None: all, in order)
+        read_rows = None  # rows of k/v to write (None: all, in order)
         rows_pos = positions
         if chunk is not None:
             n, length = chunk.tokens.shape
@@ -339,12 +370,15 @@ class Generator:
             rows_pos = torch.cat([positions, self.cache_positions[:length].repeat(n)])
             write_rows = torch.cat([write_rows, chunk.write_rows])
             read_rows = torch.cat([torch.arange(b * kv, device=self.device), chunk.read_rows + b * kv])
-        x = self.embed(tokens.unsqueeze(1))                      # [rows, 1, H]
+        x = self.embed(tokens.unsqueeze(1))  # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
-        masks = {} if b == 0 or self.use_flash_attn else \
-            {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
+        masks = (
+            {}
+            if b == 0 or self.use_flash_attn
+            else {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
+        )
         for i in range(len(self.layers)):
-            q, k, v = self._qkv(i, x, cos, sin)                  # [rows, heads, 1, D]
+            q, k, v = self._qkv(i, x, cos, sin)  # [rows, heads, 1, D]
             window = self.windows[i]
             # write every row's K/V first (index_copy_: a third of index_put's time), then attention reads the cache
             for cache, new in ((self.k_cache[i], k), (self.v_cache[i], v)):
@@ -367,18 +401,27 @@ class Generator:
         b = positions.shape[0]
         kpos, qpos = self.cache_positions[:span].unsqueeze(0), positions.unsqueeze(1)
         keep = (kpos <= qpos) if window is None else (kpos <= qpos) & (kpos > qpos - window)
-        return torch.zeros(b, self.n_kv_heads, 1, span, dtype=self.dtype, device=self.device) \
-            .masked_fill_(~keep.view(b, 1, 1, span), float("-inf")).view(-1, 1, span)
+        return (
+            torch.zeros(b, self.n_kv_heads, 1, span, dtype=self.dtype, device=self.device)
+            .masked_fill_(~keep.view(b, 1, 1, span), float("-inf"))
+            .view(-1, 1, span)
+        )
 
-    def _decode_attention(self, i: int, q: torch.Tensor, positions: torch.Tensor, span: int,
-                          window: int | None, mask: torch.Tensor | None) -> torch.Tensor:
+    def _decode_attention(
+        self, i: int, q: torch.Tensor, positions: torch.Tensor, span: int, window: int | None, mask: torch.Tensor | None
+    ) -> torch.Tensor:
         """Attention of one query row per slot over its cache rows; returns [B, 1, heads * D]."""
         b = q.shape[0]
         if self.use_flash_attn:
             out = flash_attn_with_kvcache(
-                q.transpose(1, 2), self.k_cache[i][:b].transpose(1, 2), self.v_cache[i][:b].transpose(1, 2),
-                cache_seqlens=(positions + 1).to(torch.int32), softmax_scale=self.scale, causal=True,
-                window_size=(-1, -1) if window is None else (window - 1, 0))
+                q.transpose(1, 2),
+                self.k_cache[i][:b].transpose(1, 2),
+                self.v_cache[i][:b].transpose(1, 2),
+                cache_seqlens=(positions + 1).to(torch.int32),
+                softmax_scale=self.scale,
+                causal=True,
+                window_size=(-1, -1) if window is None else (window - 1, 0),
+            )
             return out.reshape(b, 1, -1)
         # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
         # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
@@ -398,8 +441,9 @@ class Generator:
         else:
             qpos = self.cache_positions[:length].unsqueeze(1)
             kpos = self.cache_positions[:length].unsqueeze(0)
-            out = F.scaled_dot_product_attention(q, k, v, attn_mask=(kpos <= qpos) & (kpos > qpos - window),
-                                                 scale=self.scale, enable_gqa=True)
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=(kpos <= qpos) & (kpos > qpos - window), scale=self.scale, enable_gqa=True
+            )
         return out.transpose(1, 2).reshape(n * length, 1, -1)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
@@ -411,7 +455,7 @@ class Generator:
             return F.linear(h, w, b).float()
         out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)
         for i in range(0, w.shape[0], LM_HEAD_BLOCK):
-            torch.matmul(h, w[i:i + LM_HEAD_BLOCK].t(), out=out[:, i:i + LM_HEAD_BLOCK])
+            torch.matmul(h, w[i : i + LM_HEAD_BLOCK].t(), out=out[:, i : i + LM_HEAD_BLOCK])
         return (out if b is None else out + b).float()
 
     # ------------------------------------------------------------------ streaming API
@@ -428,10 +472,16 @@ class Generator:
         if bad:
             raise ValueError(f"request {request_id!r}: token ids {bad[:5]} outside vocabulary [0, {self.vocab_size})")
         if len(prompt_ids) + params.max_new_tokens - 1 > self.max_seq_len:
-            raise ValueError(f"request {request_id!r}: prompt length {len(prompt_ids)} + max_new_tokens "
-                             f"{params.max_new_tokens} - 1 exceeds max_seq_len {self.max_seq_len}")
-        req = _Request(request_id, prompt_ids, dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids)),
-                       hashed_seed=seed_hash(params.seed))
+            raise ValueError(
+                f"request {request_id!r}: prompt length {len(prompt_ids)} + max_new_tokens "
+                f"{params.max_new_tokens} - 1 exceeds max_seq_len {self.max_seq_len}"
+            )
+        req = _Request(
+            request_id,
+            prompt_ids,
+            dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids)),
+            hashed_seed=seed_hash(params.seed),
+        )
         self.requests[request_id] = req
         self.waiting.append(req)
 
@@ -471,14 +521,15 @@ class Generator:
 
         t0 = time.perf_counter()
         width = self.max_batch_size if self.static_decode else max(r.slot for r in running) + 1
-        tokens, positions = [0] * width, [0] * width     # idle slots decode a dummy token at position 0
+        tokens, positions = [0] * width, [0] * width  # idle slots decode a dummy token at position 0
         for r in running:
             tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], r.num_tokens - 1
         span = self.max_seq_len if self.static_decode else max(positions) + 1
         if self.static_decode and self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()   # the last step's logits are consumed: reuse their memory
-        logits = self._decode_forward(torch.tensor(tokens, device=self.device),
-                                      torch.tensor(positions, device=self.device), span, riding)
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: reuse their memory
+        logits = self._decode_forward(
+            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span, riding
+        )
         new_tokens, new_logprobs = self._sample(logits, running)
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(running)
@@ -488,28 +539,35 @@ class Generator:
             r.token_ids.append(tok)
             r.logprobs.append(lp)
             r.versions.append(self.version)
-            reason = "stop" if tok in r.params.stop_token_ids else (
-                "length" if len(r.token_ids) >= r.params.max_new_tokens else None)
+            reason = (
+                "stop"
+                if tok in r.params.stop_token_ids
+                else ("length" if len(r.token_ids) >= r.params.max_new_tokens else None)
+            )
             if reason is not None:
                 finished.append(self._release(r, reason))
         self.stats.decode_seconds += time.perf_counter() - t0
         return finished
 
     def _sample(self, logits: torch.Tensor, running: list[_Request]) -> tuple[list[int], list[float]]:
-        if len(running) < logits.shape[0]:   # drop the rows of idle slots
+        if len(running) < logits.shape[0]:  # drop the rows of idle slots
             logits = logits[torch.tensor([r.slot for r in running], device=self.device)]
         params = [r.params for r in running]
         dev = self.device
         temperatures = {p.temperature for p in params}
-        temperature = temperatures.pop() if len(temperatures) == 1 else \
-            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        temperature = (
+            temperatures.pop()
+            if len(temperatures) == 1
+            else torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
+        )
         truncate = any(p.temperature > 0 and (p.top_p < 1.0 or 0 < p.top_k < self.vocab_size) for p in params)
         top_p = top_k = None
         if truncate:
             top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
             top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev)
-        u = torch.tensor([uniform_from_hash(r.hashed_seed, len(r.token_ids)) for r in running],
-                         dtype=torch.float64, device=dev)
+        u = torch.tensor(
+            [uniform_from_hash(r.hashed_seed, len(r.token_ids)) for r in running], dtype=torch.float64, device=dev
+        )
         tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, u, truncate)
         return tokens.tolist(), logprobs.tolist()
 
@@ -535,8 +593,9 @@ class Generator:
     # ------------------------------------------------------------------ weights
 
     @torch.no_grad()
-    def update_weights(self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
-                       version: int) -> None:
+    def update_weights(
+        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+    ) -> None:
         """Copy HF-named tensors (all of `model.state_dict()` or any bucket of it) into the model.
 
         Allowed between step() calls. With tied embeddings either key updates the shared tensor.
@@ -551,11 +610,14 @@ class Generator:
         for name, tensor in items:
             target = targets.get(name)
             if target is None:
-                raise KeyError(f"update_weights: {name!r} is not a parameter of this "
-                               f"{self.model.config.model_type} model (expected HF state_dict names)")
+                raise KeyError(
+                    f"update_weights: {name!r} is not a parameter of this "
+                    f"{self.model.config.model_type} model (expected HF state_dict names)"
+                )
             if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, "
-                                 f"model expects {tuple(target.shape)}")
+                raise ValueError(
+                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
+                )
             target.copy_(tensor)
         self.version = version
         self.stats.weight_updates += 1
@@ -567,8 +629,9 @@ class Generator:
 
     # ------------------------------------------------------------------ batch API
 
-    def generate(self, prompts: Sequence[Sequence[int]],
-                 params: SamplingParams | Sequence[SamplingParams]) -> list[RequestOutput]:
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
         """Generate for every prompt with continuous batching; outputs are in prompt order.
 
         One SamplingParams for the list gives request i the seed `params.seed + i`; a list gives
@@ -585,7 +648,7 @@ class Generator:
             for key, prompt, p in zip(keys, prompts, params):
                 self.add_request(key, prompt, p)
         except Exception:
-            for key in keys:   # leave the generator empty, not half-loaded
+            for key in keys:  # leave the generator empty, not half-loaded
                 if key in self.requests:
                     self.abort(key)
             raise

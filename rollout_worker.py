@@ -19,10 +19,11 @@ rollout.max_pending_scores requests wait for a score; past that the loop waits f
 New weights and evals do not wait for pending scores (a score does not depend on the policy); a stop waits for
 them, so every group decoded before it is sent before `bye`; an abort drops them (the run is over).
 """
+
 from __future__ import annotations
 
 import time
-from typing import Callable, Hashable
+from collections.abc import Callable, Hashable
 
 import torch
 
@@ -49,16 +50,23 @@ class GroupScorer:
     collect and drain (the inline fast path and waits for scores), i.e. scoring's cost on the decode loop;
     the workers' own time overlaps decoding and is pool.reward_s."""
 
-    def __init__(self, samples_per_prompt: int, reward_correct: float, reward_wrong: float, max_pending: int,
-                 limits: ScoreLimits = DEFAULT_LIMITS, on_wait: Callable[[], None] = lambda: None,
-                 wait_s: float = 0.1):
+    def __init__(
+        self,
+        samples_per_prompt: int,
+        reward_correct: float,
+        reward_wrong: float,
+        max_pending: int,
+        limits: ScoreLimits = DEFAULT_LIMITS,
+        on_wait: Callable[[], None] = lambda: None,
+        wait_s: float = 0.1,
+    ):
         if max_pending < 1:
             raise ValueError(f"rollout.max_pending_scores must be >= 1, got {max_pending}")
         self.G, self.reward_correct, self.reward_wrong = samples_per_prompt, reward_correct, reward_wrong
         self.max_pending, self.on_wait, self.wait_s = max_pending, on_wait, wait_s
         self.pool = RewardPool(num_workers=1, limits=limits)  # one math-verify process per rank, started now
-        self.groups: dict[int, dict] = {}             # group_id -> {prompt_id, trajs: {sample: Trajectory}}
-        self.unscored: dict[Hashable, object] = {}    # pool key -> the finished request awaiting its score
+        self.groups: dict[int, dict] = {}  # group_id -> {prompt_id, trajs: {sample: Trajectory}}
+        self.unscored: dict[Hashable, object] = {}  # pool key -> the finished request awaiting its score
         self.eval_scores: dict[int, ScoreDetails] = {}
         self.complete: list[tuple[int, list[Trajectory]]] = []
         self.blocked_s = 0.0
@@ -76,7 +84,7 @@ class GroupScorer:
         t0 = time.perf_counter()
         self._make_room()
         key = ("train", *out.request_id)
-        self.pool.submit(key, response, gold)         # bad input raises here, before anything is recorded
+        self.pool.submit(key, response, gold)  # bad input raises here, before anything is recorded
         self.unscored[key] = out
         self.blocked_s += time.perf_counter() - t0
 
@@ -109,7 +117,7 @@ class GroupScorer:
         return scores
 
     def _make_room(self) -> None:
-        while self.pending >= self.max_pending:       # bounded: wait for scores rather than queue without limit
+        while self.pending >= self.max_pending:  # bounded: wait for scores rather than queue without limit
             self._take(self.pool.poll(wait_s=self.wait_s))
             self.on_wait()
 
@@ -123,10 +131,17 @@ class GroupScorer:
             group = self.groups[group_id]
             correct = details.reward > 0
             group["trajs"][sample_idx] = Trajectory(
-                prompt_id=group["prompt_id"], sample_idx=sample_idx, prompt_ids=list(out.prompt_ids),
-                response_ids=list(out.token_ids), behav_logprobs=list(out.logprobs), versions=list(out.versions),
-                reward=self.reward_correct if correct else self.reward_wrong, finish_reason=out.finish_reason,
-                group_id=group_id, correct=correct)
+                prompt_id=group["prompt_id"],
+                sample_idx=sample_idx,
+                prompt_ids=list(out.prompt_ids),
+                response_ids=list(out.token_ids),
+                behav_logprobs=list(out.logprobs),
+                versions=list(out.versions),
+                reward=self.reward_correct if correct else self.reward_wrong,
+                finish_reason=out.finish_reason,
+                group_id=group_id,
+                correct=correct,
+            )
             if len(group["trajs"]) == self.G:
                 del self.groups[group_id]
                 self.complete.append((group_id, [group["trajs"][s] for s in range(self.G)]))
@@ -136,18 +151,25 @@ class GroupScorer:
 
 
 class RolloutWorker:
-    def __init__(self, cfg, model, tokenizer, train_rows: list[dict], test_rows: list[dict], head: int,
-                 device: torch.device):
+    def __init__(
+        self, cfg, model, tokenizer, train_rows: list[dict], test_rows: list[dict], head: int, device: torch.device
+    ):
         self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
         r = cfg.rollout
         # math-verify's imports (in the scorer's worker process) overlap the generator's set-up
-        self.scorer = GroupScorer(r.samples_per_prompt, r.reward_correct, r.reward_wrong, r.max_pending_scores,
-                                  on_wait=self.heartbeat)
+        self.scorer = GroupScorer(
+            r.samples_per_prompt, r.reward_correct, r.reward_wrong, r.max_pending_scores, on_wait=self.heartbeat
+        )
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
         self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn)
-        self.gen = Generator(model, max_batch_size=cfg.rollout.max_batch_size, max_seq_len=cfg.rollout.max_seq_len,
-                             interrupt_mode=cfg.rollout.interrupt_mode, **self.gpu_options)
+        self.gen = Generator(
+            model,
+            max_batch_size=cfg.rollout.max_batch_size,
+            max_seq_len=cfg.rollout.max_seq_len,
+            interrupt_mode=cfg.rollout.interrupt_mode,
+            **self.gpu_options,
+        )
         self.eval_gen: Generator | None = None
         self.channel = Channel([head])
         self.t_start = time.monotonic()
@@ -170,15 +192,23 @@ class RolloutWorker:
             ids = self.tok(self.rows[split][prompt_id]["prompt"])["input_ids"]
             limit = self.cfg.rollout.max_seq_len - self.cfg.rollout.max_new_tokens
             if len(ids) > limit:
-                raise ValueError(f"prompt {prompt_id} ({split}) has {len(ids)} tokens; rollout.max_seq_len - "
-                                 f"max_new_tokens allows {limit}")
+                raise ValueError(
+                    f"prompt {prompt_id} ({split}) has {len(ids)} tokens; rollout.max_seq_len - "
+                    f"max_new_tokens allows {limit}"
+                )
             self.encoded[key] = ids
         return self.encoded[key]
 
     def sampling(self, seed: int) -> SamplingParams:
         r = self.cfg.rollout
-        return SamplingParams(temperature=r.temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=r.max_new_tokens,
-                              stop_token_ids=[self.tok.eos_token_id], seed=seed)
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=[self.tok.eos_token_id],
+            seed=seed,
+        )
 
     # -- messages ----------------------------------------------------------------------------------
     def on_grant(self, msg: dict) -> None:
@@ -187,37 +217,47 @@ class RolloutWorker:
             self.scorer.open(group_id, prompt_id)
             prompt = self.prompt_ids("train", prompt_id)
             for s in range(G):
-                self.gen.add_request((group_id, s), prompt, self.sampling(request_seed(self.cfg.train.seed, group_id, s)))
+                self.gen.add_request(
+                    (group_id, s), prompt, self.sampling(request_seed(self.cfg.train.seed, group_id, s))
+                )
 
     def on_weights(self, msg: dict) -> None:
         p = self.cfg.plan
         state_dict = receive_weights(msg, self.head, self.device, p.verify_weights)
         self.gen.update_weights(state_dict, msg["version"])
-        self.send("weights_ok", version=msg["version"])    # the head may now reuse the send buffers
+        self.send("weights_ok", version=msg["version"])  # the head may now reuse the send buffers
 
     @torch.no_grad()
     def on_eval(self, msg: dict) -> None:
-        if self.eval_gen is None:     # a second cache over the same (shared) weights
-            self.eval_gen = Generator(self.model, max_batch_size=self.cfg.rollout.max_batch_size,
-                                      max_seq_len=self.cfg.rollout.max_seq_len, **self.gpu_options)
+        if self.eval_gen is None:  # a second cache over the same (shared) weights
+            self.eval_gen = Generator(
+                self.model,
+                max_batch_size=self.cfg.rollout.max_batch_size,
+                max_seq_len=self.cfg.rollout.max_seq_len,
+                **self.gpu_options,
+            )
         self.eval_gen.version = self.gen.version
         ids = msg["prompt_ids"]
-        greedy = SamplingParams(temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens,
-                                stop_token_ids=[self.tok.eos_token_id])
+        greedy = SamplingParams(
+            temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens, stop_token_ids=[self.tok.eos_token_id]
+        )
         # streamed rather than generate(): a long eval share must not look like a stuck rank
         for j, i in enumerate(ids):
             self.eval_gen.add_request(j, self.prompt_ids("test", i), greedy)
         done = {}
         while self.eval_gen.num_unfinished():
             done.update((o.request_id, o) for o in self.eval_gen.step())
-            self.send_results(self.scorer.collect())     # training groups still score meanwhile
+            self.send_results(self.scorer.collect())  # training groups still score meanwhile
             self.heartbeat()
         outs = [done[j] for j in range(len(ids))]
-        scores = self.scorer.score_all([(self.tok.decode(o.token_ids, skip_special_tokens=True),
-                                         self.rows["test"][i]["answer"]) for i, o in zip(ids, outs)])
+        scores = self.scorer.score_all(
+            [
+                (self.tok.decode(o.token_ids, skip_special_tokens=True), self.rows["test"][i]["answer"])
+                for i, o in zip(ids, outs)
+            ]
+        )
         correct = [int(d.reward > 0) for d in scores]
-        self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""),
-                          prompt_ids=ids, correct=correct)
+        self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""), prompt_ids=ids, correct=correct)
 
     # -- finished sequences --------------------------------------------------------------------------
     def on_finished(self, out) -> None:
@@ -228,16 +268,21 @@ class RolloutWorker:
 
     def send_results(self, groups: list[tuple[int, list[Trajectory]]]) -> None:
         for group_id, trajs in groups:
-            self.send("result", group_id=group_id, trajectories=[t.to_dict() for t in trajs],
-                      counters=self.counters())
+            self.send("result", group_id=group_id, trajectories=[t.to_dict() for t in trajs], counters=self.counters())
 
     def counters(self) -> dict:
         # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:
         # the scorings' own time (inline and in the math-verify worker), mostly overlapped with decoding
-        return {"elapsed_s": time.monotonic() - self.t_start, "idle_s": self.idle_s,
-                "reward_s": self.scorer.blocked_s, "reward_service_s": self.scorer.pool.reward_s,
-                "generated_tokens": self.generated_tokens, "version": self.gen.version,
-                "prefill_s": self.gen.stats.prefill_seconds, "prefill_tokens": self.gen.stats.prefill_tokens}
+        return {
+            "elapsed_s": time.monotonic() - self.t_start,
+            "idle_s": self.idle_s,
+            "reward_s": self.scorer.blocked_s,
+            "reward_service_s": self.scorer.pool.reward_s,
+            "generated_tokens": self.generated_tokens,
+            "version": self.gen.version,
+            "prefill_s": self.gen.stats.prefill_seconds,
+            "prefill_tokens": self.gen.stats.prefill_tokens,
+        }
 
     # -- the loop -----------------------------------------------------------------------------------
     def run(self) -> None:
@@ -248,7 +293,7 @@ class RolloutWorker:
 
     def loop(self) -> None:
         handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
-        self.scorer.pool.wait_ready()                 # a first slow-path score must not wait for math-verify's imports
+        self.scorer.pool.wait_ready()  # a first slow-path score must not wait for math-verify's imports
         self.send("ready", counters=self.counters())
         while True:
             idle = self.gen.num_unfinished() == 0 and not self.scorer.pending  # nothing to do until the head sends work
@@ -260,7 +305,7 @@ class RolloutWorker:
                     raise PeerTimeout([self.head], self.cfg.plan.timeout_s, "work from the train head")
             for _, msg in msgs:
                 if msg["kind"] == "stop":
-                    self.send_results(self.scorer.drain())   # groups decoded before the stop still reach the head
+                    self.send_results(self.scorer.drain())  # groups decoded before the stop still reach the head
                     self.send("bye", counters=self.counters())
                     return
                 if msg["kind"] == "abort":
@@ -270,6 +315,6 @@ class RolloutWorker:
                 for out in self.gen.step():
                     self.on_finished(out)
                 self.send_results(self.scorer.collect())
-            elif self.scorer.pending:                 # only scores left: wait for them, briefly, then poll the head
+            elif self.scorer.pending:  # only scores left: wait for them, briefly, then poll the head
                 self.send_results(self.scorer.collect(wait_s=0.05))
             self.heartbeat()

@@ -8,6 +8,7 @@ runs/<run>/ledger.jsonl    one line per consumed trajectory: prompt_id, group_id
 Both files are append-only; `sizes()` is what a checkpoint records, so a resume can cut them back to it.
 Non-finite floats are written as null (strict JSON).
 """
+
 from __future__ import annotations
 
 import json
@@ -50,11 +51,19 @@ class RunLog:
         mode = os.environ.get("WANDB_MODE", cfg.logging.wandb)
         if mode != "disabled":
             import wandb
+
             # our own id (wandb.util.generate_id is gone in wandb 0.31), kept in checkpoints so a resume continues
             # the same W&B run
             self.wandb_id = wandb_id or secrets.token_hex(4)
-            self.wandb = wandb.init(project=cfg.logging.wandb_project, name=run_dir.name, dir=str(run_dir),
-                                    mode=mode, config=to_dict(cfg), id=self.wandb_id, resume="allow")
+            self.wandb = wandb.init(
+                project=cfg.logging.wandb_project,
+                name=run_dir.name,
+                dir=str(run_dir),
+                mode=mode,
+                config=to_dict(cfg),
+                id=self.wandb_id,
+                resume="allow",
+            )
             # Every metric is plotted against our trainer step, a logged field, not W&B's own step counter: an
             # eval of version v reports after steps > v were logged, and W&B drops a log whose step= went back.
             self.wandb.define_metric("trainer_step")
@@ -64,23 +73,29 @@ class RunLog:
         self.bar = None
         if cfg.logging.progress:
             from tqdm import tqdm
-            self.bar = tqdm(total=cfg.train.total_steps, initial=step_offset, desc="hexrl", unit="step",
-                            dynamic_ncols=True)
+
+            self.bar = tqdm(
+                total=cfg.train.total_steps, initial=step_offset, desc="hexrl", unit="step", dynamic_ncols=True
+            )
 
     def _write(self, record: dict) -> None:
         record = {"time": round(time.monotonic() - self.t0, 3), **{k: _finite_or_null(v) for k, v in record.items()}}
         self.metrics.write(json.dumps(record) + "\n")
         self.metrics.flush()
         if self.wandb is not None:
-            self.wandb.log({"trainer_step": record["step"],
-                            **{k: v for k, v in record.items() if k != "step" and v is not None}})
+            self.wandb.log(
+                {"trainer_step": record["step"], **{k: v for k, v in record.items() if k != "step" and v is not None}}
+            )
 
     def step(self, stats: dict) -> None:
         self._write(stats)
         if self.bar is not None:
             self.bar.update(stats["step"] - self.bar.n)
-            post = {"reward": f"{stats['reward_mean']:.3f}", "acc": f"{stats['train_accuracy']:.2f}",
-                    "tok/s": f"{stats['trained_tokens_per_s']:.0f}"}
+            post = {
+                "reward": f"{stats['reward_mean']:.3f}",
+                "acc": f"{stats['train_accuracy']:.2f}",
+                "tok/s": f"{stats['trained_tokens_per_s']:.0f}",
+            }
             if self.last_eval is not None:
                 post["eval"] = f"{self.last_eval:.3f}"
             self.bar.set_postfix(post)
@@ -93,17 +108,28 @@ class RunLog:
 
     def event(self, step: int, event: str, **info) -> None:
         """Faults the run survived (a rollout rank lost, ...): a metrics line with an `event` field."""
-        self.metrics.write(json.dumps({"time": round(time.monotonic() - self.t0, 3), "step": step, "event": event,
-                                       **info}) + "\n")
+        self.metrics.write(
+            json.dumps({"time": round(time.monotonic() - self.t0, 3), "step": step, "event": event, **info}) + "\n"
+        )
         self.metrics.flush()
 
     def ledger(self, trajectories: list, trainer_version: int, step: int, updated: bool = True) -> None:
         for t in trajectories:
-            self.ledger_file.write(json.dumps({
-                "prompt_id": t.prompt_id, "group_id": t.group_id, "sample_idx": t.sample_idx,
-                "min_version": min(t.versions, default=trainer_version),
-                "max_version": max(t.versions, default=trainer_version),
-                "trainer_version": trainer_version, "step": step, "updated": updated}) + "\n")
+            self.ledger_file.write(
+                json.dumps(
+                    {
+                        "prompt_id": t.prompt_id,
+                        "group_id": t.group_id,
+                        "sample_idx": t.sample_idx,
+                        "min_version": min(t.versions, default=trainer_version),
+                        "max_version": max(t.versions, default=trainer_version),
+                        "trainer_version": trainer_version,
+                        "step": step,
+                        "updated": updated,
+                    }
+                )
+                + "\n"
+            )
         self.ledger_file.flush()
 
     def sizes(self) -> dict[str, int]:

@@ -8,6 +8,7 @@ Seeds: sampling noise is counter based, u = hash(seed, index of the token in the
 token is drawn by inverting the CDF of the (truncated) distribution at u. Hence a request with a
 given seed samples the same tokens whichever requests share its batch and whichever slot it lands in.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,8 +42,14 @@ def counter_uniform(seeds, counters):
     return uniform_from_hash(seed_hash(seeds), counters)
 
 
-def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | float, top_p: torch.Tensor | None,
-                  top_k: torch.Tensor | None, u: torch.Tensor, truncate: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_p: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    u: torch.Tensor,
+    truncate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return (tokens, logprobs); rows with temperature 0 are greedy.
 
     logits [B, V] fp32; temperature [B] fp32, or one float for all rows; top_p [B] fp32 and top_k [B]
@@ -54,7 +61,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | float, top_p
         greedy = temperature == 0
         all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
         scaled = logits if all_greedy else logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
-    else:   # one temperature for every row (the usual case): no per-row tensors (x / 1 is x, bit for bit)
+    else:  # one temperature for every row (the usual case): no per-row tensors (x / 1 is x, bit for bit)
         greedy, all_greedy, any_greedy = None, temperature == 0, temperature == 0
         scaled = logits if temperature in (0.0, 1.0) else logits / temperature
     logp = torch.log_softmax(scaled, dim=-1)
@@ -67,9 +74,9 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor | float, top_p
             rank = torch.arange(vocab, device=logits.device)
             probs = probs * (rank.unsqueeze(0) < top_k.unsqueeze(1))
             cum = probs.cumsum(dim=-1)
-            mass_before = cum - probs        # keep a token while the mass ranked above it < top_p
+            mass_before = cum - probs  # keep a token while the mass ranked above it < top_p
             in_nucleus = (mass_before < top_p.unsqueeze(1) * cum[:, -1:]) | (top_p >= 1.0).unsqueeze(1)
-            probs = probs * in_nucleus       # (top_p = 1 keeps even the tail that fp32 cumsum rounds away)
+            probs = probs * in_nucleus  # (top_p = 1 keeps even the tail that fp32 cumsum rounds away)
         else:
             probs = logp.exp()
         cdf = probs.cumsum(dim=-1)

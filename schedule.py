@@ -16,7 +16,10 @@ The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
                             training-side link bandwidth + rollout-side HBM bandwidth at a compute share gamma;
                             gamma is bisected until C_T ~ C_I (both directions, so training-bound workloads work too),
                             then phases alternate with local moves until the step time is stable for K rounds.
+Then the plan both ways: `to_plan_json` writes the rank map train.py reads (and `planner_from_plan` reads it
+back), `format_table` / `plot_plan` show it, and `calibrate` fits the efficiency constants to measured steps.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -31,16 +34,15 @@ import networkx as nx
 
 import cost_model as cm
 from cost_model import Cluster, Efficiency, ModelSpec, Workload
-from plan_io import calibrate, format_table, plot_plan, to_plan_json  # noqa: F401 (calibrate: public API)
 from parallel.rankmap import PlanError
 from plan_phases import RolloutPlan, SplitPlanner, TrainPlan
 
-
 # ----------------------------------------------------------------------------- plan pieces
+
 
 @dataclass
 class Evaluation:
-    train_counts: tuple[int, ...]                    # train GPUs per machine (the first k of each machine)
+    train_counts: tuple[int, ...]  # train GPUs per machine (the first k of each machine)
     train: TrainPlan | None
     rollout: RolloutPlan | None
     train_s: float
@@ -60,11 +62,19 @@ class Evaluation:
 
 # ----------------------------------------------------------------------------- the planner
 
+
 class Planner(SplitPlanner):
     """Phase 1 for one split is SplitPlanner's (plan_phases.py); this class evaluates splits and searches them."""
 
-    def __init__(self, cluster: Cluster, model: ModelSpec, wl: Workload, eff: Efficiency | None = None,
-                 max_seconds: float = 10.0, forced_layout: tuple[int, int, int] | None = None) -> None:
+    def __init__(
+        self,
+        cluster: Cluster,
+        model: ModelSpec,
+        wl: Workload,
+        eff: Efficiency | None = None,
+        max_seconds: float = 10.0,
+        forced_layout: tuple[int, int, int] | None = None,
+    ) -> None:
         super().__init__(cluster, model, wl, eff, max_seconds, forced_layout)
         self._eval_cache: dict[tuple[int, ...], Evaluation] = {}
 
@@ -80,20 +90,41 @@ class Planner(SplitPlanner):
         train_s = train.seconds if train else inf
         rollout_s = inf
         if rollout:
-            rollout_s = cm.rollout_seconds(self.model, self.wl, rollout.tokens_per_s, rollout.prefill_tflops,
-                                           rollout.seq_tokens_per_s)
+            rollout_s = cm.rollout_seconds(
+                self.model, self.wl, rollout.tokens_per_s, rollout.prefill_tflops, rollout.seq_tokens_per_s
+            )
         sync_s = inf
         if train and rollout:
             # each rollout machine pulls every stage's weights from its best-connected machine of that stage
             stage_machines = [({self.gpu_machine[i] for i in ids}, layers) for _, layers, ids in train.stages]
             roll_m = {self.gpu_machine[i] for _, ids in rollout.replicas for i in ids}
-            sync_s = max(sum(cm.sync_seconds(self.model, self.wl, self.eff,
-                                             max(self.cluster.link_gbps(r, t) for t in ms), layers / self.model.layers)
-                             for ms, layers in stage_machines) for r in roll_m) - \
-                (len(stage_machines) - 1) * self.eff.sync_latency_s
+            sync_s = (
+                max(
+                    sum(
+                        cm.sync_seconds(
+                            self.model,
+                            self.wl,
+                            self.eff,
+                            max(self.cluster.link_gbps(r, t) for t in ms),
+                            layers / self.model.layers,
+                        )
+                        for ms, layers in stage_machines
+                    )
+                    for r in roll_m
+                )
+                - (len(stage_machines) - 1) * self.eff.sync_latency_s
+            )
         step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl) if math.isfinite(sync_s) else inf
-        ev = Evaluation(train_counts, train, rollout, train_s, rollout_s, sync_s, step,
-                        self.wl.tokens_per_step / step if math.isfinite(step) else 0.0)
+        ev = Evaluation(
+            train_counts,
+            train,
+            rollout,
+            train_s,
+            rollout_s,
+            sync_s,
+            step,
+            self.wl.tokens_per_step / step if math.isfinite(step) else 0.0,
+        )
         self._eval_cache[key] = ev
         return ev
 
@@ -123,12 +154,15 @@ class Planner(SplitPlanner):
         n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
         c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
         m_total = sum(d["gpus"] * d["m"] for _, d in g.nodes(data=True))
-        beta_total = sum(d["gpus"] * (d["gpus"] - 1) / 2 * d["beta_intra"] for _, d in g.nodes(data=True)) + \
-            sum(g.nodes[a]["gpus"] * g.nodes[b]["gpus"] * e["beta"] for a, b, e in g.edges(data=True))
+        beta_total = sum(d["gpus"] * (d["gpus"] - 1) / 2 * d["beta_intra"] for _, d in g.nodes(data=True)) + sum(
+            g.nodes[a]["gpus"] * g.nodes[b]["gpus"] * e["beta"] for a, b, e in g.edges(data=True)
+        )
         # per-GPU grid; whole machines on huge clusters. A split needs some DP*TP group size dividing every
         # type's trainer count with at most `layers` stages, i.e. total / gcd <= layers.
-        steps = {t: 1 if n <= 96 else max(m.gpus for m in self.cluster.machines if m.gpu_type == t)
-                 for t, n in n_type.items()}
+        steps = {
+            t: 1 if n <= 96 else max(m.gpus for m in self.cluster.machines if m.gpu_type == t)
+            for t, n in n_type.items()
+        }
         grids = [sorted(set(range(0, n_type[t] + 1, steps[t])) | {n_type[t]}) for t in self.types]
         out = []
         for combo in itertools.product(*grids):
@@ -138,8 +172,9 @@ class Planner(SplitPlanner):
             per_type = dict(zip(self.types, combo))
             k = self.arrange(per_type)
             share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total
-            beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + \
-                sum(k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b])
+            beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + sum(
+                k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b]
+            )
             m_i = sum((g.nodes[i]["gpus"] - k[i]) * g.nodes[i]["m"] for i in g.nodes)
             out.append((share, beta_t / max(beta_total, 1e-12) + m_i / m_total, per_type))
         return out
@@ -156,7 +191,9 @@ class Planner(SplitPlanner):
         """Algorithm 1: bisect gamma on C_T vs C_I with Eq. 3 partitions, then alternate local moves."""
         t0 = time.perf_counter()
         if self.cluster.n_gpus < 2:
-            raise PlanError(f"role left empty: {self.cluster.n_gpus} GPU cannot hold both a trainer and a rollout replica")
+            raise PlanError(
+                f"role left empty: {self.cluster.n_gpus} GPU cannot hold both a trainer and a rollout replica"
+            )
         if self.forced_layout:
             return self._solve_forced(t0)
         g = self.graph()
@@ -176,7 +213,7 @@ class Planner(SplitPlanner):
             self.stats.history.append(best.step_s)
             stable = 0 if improved else stable + 1
             if ev.c_t < ev.c_i:
-                r = gamma          # training is faster: give it less compute
+                r = gamma  # training is faster: give it less compute
             else:
                 q = gamma
             gamma = (q + r) / 2
@@ -225,11 +262,11 @@ class Planner(SplitPlanner):
         (b) on clusters with <= 24 machines, one GPU on one machine (or from one machine to another).
         Stops when no move improves the step time."""
         n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
-        steps = [sorted({0} | {s * x for x in (1, 2, 3, 4, 8) if x <= n_type[t] for s in (-1, 1)})
-                 for t in self.types]
+        steps = [sorted({0} | {s * x for x in (1, 2, 3, 4, 8) if x <= n_type[t] for s in (-1, 1)}) for t in self.types]
         dirs = [d for d in itertools.product(*steps) if any(d)]
-        current = {t: sum(k for m, k in zip(self.cluster.machines, best.train_counts) if m.gpu_type == t)
-                   for t in self.types}
+        current = {
+            t: sum(k for m, k in zip(self.cluster.machines, best.train_counts) if m.gpu_type == t) for t in self.types
+        }
         for _ in range(100):
             improved = False
             for d in dirs:
@@ -268,9 +305,11 @@ class Planner(SplitPlanner):
     def _explain_infeasible(self) -> None:
         m = self.model
         if self.forced_layout:
-            raise PlanError(f"--train-layout {','.join(map(str, self.forced_layout))} leaves no valid plan (needs "
-                            f"dp*tp*pp trainer GPUs of one type per stage, tp dividing {m.heads} heads, memory, and "
-                            f">= 1 rollout GPU among {self.cluster.n_gpus})")
+            raise PlanError(
+                f"--train-layout {','.join(map(str, self.forced_layout))} leaves no valid plan (needs "
+                f"dp*tp*pp trainer GPUs of one type per stage, tp dividing {m.heads} heads, memory, and "
+                f">= 1 rollout GPU among {self.cluster.n_gpus})"
+            )
         fits_train = fits_roll = False
         for t in self.types:
             if self.replica_configs(t):
@@ -278,8 +317,10 @@ class Planner(SplitPlanner):
             ev = self.evaluate(self.arrange({t: sum(x.gpus for x in self.cluster.machines if x.gpu_type == t)}))
             fits_train |= ev.train is not None
         if not fits_roll:
-            raise PlanError(f"memory: model {m.name} ({m.params / 1e9:.2f}B params) fits no rollout replica "
-                            f"(TP inside one machine, PP <= 8) on GPU types {self.types}")
+            raise PlanError(
+                f"memory: model {m.name} ({m.params / 1e9:.2f}B params) fits no rollout replica "
+                f"(TP inside one machine, PP <= 8) on GPU types {self.types}"
+            )
         if not fits_train:
             raise PlanError(f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster")
         raise PlanError("role left empty: no split gives both a feasible trainer set and a feasible rollout set")
@@ -290,7 +331,9 @@ class Planner(SplitPlanner):
         t0 = time.perf_counter()
         best = None
         # symmetric partitions (same counts permuted among interchangeable machines) are evaluated once
-        for counts in sorted({self.canonical(c) for c in itertools.product(*[range(m.gpus + 1) for m in self.cluster.machines])}):
+        for counts in sorted(
+            {self.canonical(c) for c in itertools.product(*[range(m.gpus + 1) for m in self.cluster.machines])}
+        ):
             ev = self.evaluate(counts, exhaustive=True)
             if best is None or ev.step_s < best.step_s:
                 best = ev
@@ -302,8 +345,8 @@ class Planner(SplitPlanner):
         return best
 
 
-
 # ----------------------------------------------------------------------------- objectives over sub-clusters
+
 
 def machine_kinds(cluster: Cluster) -> list[list[int]]:
     kinds: dict[tuple[str, int], list[int]] = {}
@@ -324,9 +367,18 @@ def sub_clusters(cluster: Cluster) -> list[tuple[float, Cluster]]:
     return sorted(out, key=lambda cs: cs[0])
 
 
-def plan(cluster: Cluster, model: ModelSpec, wl: Workload, eff: Efficiency | None = None, *,
-         budget: float | None = None, min_tokens_per_s: float | None = None, exhaustive: bool = False,
-         train_layout: tuple[int, int, int] | None = None, max_seconds: float = 10.0) -> dict:
+def plan(
+    cluster: Cluster,
+    model: ModelSpec,
+    wl: Workload,
+    eff: Efficiency | None = None,
+    *,
+    budget: float | None = None,
+    min_tokens_per_s: float | None = None,
+    exhaustive: bool = False,
+    train_layout: tuple[int, int, int] | None = None,
+    max_seconds: float = 10.0,
+) -> dict:
     """The planner's entry point: best plan as the plan-JSON dict. budget: max throughput among whole-machine
     sub-clusters costing <= budget $/h; min_tokens_per_s: cheapest sub-cluster reaching that throughput."""
     eff = eff or Efficiency()
@@ -359,18 +411,281 @@ def plan(cluster: Cluster, model: ModelSpec, wl: Workload, eff: Efficiency | Non
         if chosen is None:
             cheapest = options[0][0] if options else cluster.dollars_per_hour()
             if min_tokens_per_s is not None:
-                raise PlanError(f"throughput: no sub-cluster reaches {min_tokens_per_s:.0f} tokens/s"
-                                + (f" within ${budget:.2f}/h" if budget is not None else ""))
-            raise PlanError(f"budget: ${budget:.2f}/h is below the cheapest feasible plan "
-                            f"(cheapest sub-cluster ${cheapest:.2f}/h, first feasible "
-                            f"{'none' if feasible_cost is None else f'${feasible_cost:.2f}/h'})")
+                raise PlanError(
+                    f"throughput: no sub-cluster reaches {min_tokens_per_s:.0f} tokens/s"
+                    + (f" within ${budget:.2f}/h" if budget is not None else "")
+                )
+            raise PlanError(
+                f"budget: ${budget:.2f}/h is below the cheapest feasible plan "
+                f"(cheapest sub-cluster ${cheapest:.2f}/h, first feasible "
+                f"{'none' if feasible_cost is None else f'${feasible_cost:.2f}/h'})"
+            )
         p, ev = chosen
     out = to_plan_json(p, ev)
     out["solver"]["seconds"] = time.perf_counter() - t0
     return out
 
 
+# ----------------------------------------------------------------------------- plan JSON, table, picture
+
+
+def to_plan_json(p: Planner, ev: Evaluation) -> dict:
+    c = p.cluster
+    # global rank order: machines holding stage 0 first ... rollout-only machines last; in a machine, trainers first
+    train_ids = [i for _, _, ids in ev.train.stages for i in ids]
+    stage_of = {i: k for k, (_, _, ids) in enumerate(ev.train.stages) for i in ids}
+    first_stage = {}
+    for i in train_ids:
+        first_stage.setdefault(p.gpu_machine[i], stage_of[i])
+    machine_order = sorted(range(len(c.machines)), key=lambda m: (first_stage.get(m, 10**9), m))
+    train_set = set(train_ids)
+    order = []
+    for m in machine_order:
+        ids = list(range(p.first[m], p.first[m] + c.machines[m].gpus))
+        pos = {i: n for n, i in enumerate(train_ids)}
+        order += sorted((i for i in ids if i in train_set), key=pos.get) + [i for i in ids if i not in train_set]
+    rank_of = {gid: r for r, gid in enumerate(order)}
+    tr = ev.train
+    ranks = [None] * len(order)
+    replica_of = {i: n for n, (_, ids) in enumerate(ev.rollout.replicas) for i in ids}
+    stages_json, layer_start = [], 0
+    for k, (t, layers, ids) in enumerate(tr.stages):
+        stages_json.append(
+            {
+                "pp": k,
+                "gpu_type": t,
+                "layers": [layer_start, layer_start + layers],
+                "ranks": sorted(rank_of[i] for i in ids),
+            }
+        )
+        for j, i in enumerate(ids):
+            ranks[rank_of[i]] = {
+                "rank": rank_of[i],
+                "gpu_type": t,
+                "machine": p.gpu_machine[i],
+                "role": "train",
+                "dp": j // tr.tp,
+                "tp": j % tr.tp,
+                "pp": k,
+                "layers": [layer_start, layer_start + layers],
+            }
+        layer_start += layers
+    for gid, r in rank_of.items():
+        if ranks[r] is None:
+            m = p.gpu_machine[gid]
+            ranks[r] = {
+                "rank": r,
+                "gpu_type": c.machines[m].gpu_type,
+                "machine": m,
+                "role": "rollout",
+                "replica": replica_of.get(gid),
+            }
+            if gid not in replica_of:
+                ranks[r]["idle"] = True  # no replica config fits the leftover GPUs
+    total = ev.rollout.tokens_per_s
+    replicas = [
+        {
+            "id": n,
+            "gpu_type": cfg.gpu_type,
+            "tp": cfg.tp,
+            "pp": cfg.pp,
+            "ranks": [rank_of[i] for i in ids],
+            "share": cfg.cost.tokens_per_s / total,
+            "batch": cfg.cost.batch,
+            "tokens_per_s": cfg.cost.tokens_per_s,
+            "round_s": cfg.cost.round_s,
+        }
+        for n, (cfg, ids) in enumerate(ev.rollout.replicas)
+    ]
+    dollars = c.dollars_per_hour()
+    pred = {
+        "rollout_s": ev.rollout_s,
+        "train_s": ev.train_s,
+        "sync_s": ev.sync_s,
+        "reward_s": p.wl.reward_s,
+        "step_s": ev.step_s,
+        "tokens_per_s": ev.tokens_per_s,
+        "dollars_per_hour": dollars,
+        "tokens_per_dollar": ev.tokens_per_s * 3600 / dollars if dollars > 0 else None,
+    }
+    return {
+        "world_size": len(order),
+        "ranks": ranks,
+        "rollout": {"replicas": replicas, "tokens_per_s": total},
+        "train": {
+            "dp": tr.dp,
+            "tp": tr.tp,
+            "pp": tr.pp,
+            "stages": stages_json,
+            "tokens_per_s": cm.train_tokens_per_s(p.wl, ev.train_s),
+        },
+        "predicted": pred,
+        "solver": {
+            "seconds": p.stats.seconds,
+            "iterations": p.stats.iterations,
+            "status": p.stats.status,
+            "evaluations": p.stats.evaluations,
+            "milp_solves": p.stats.milp_solves,
+        },
+        "inputs": {
+            "cluster": c.to_dict(),
+            "model": p.model.to_config(),
+            "workload": p.wl.to_dict(),
+            "efficiency": p.eff.to_dict(),
+        },
+    }
+
+
+def format_table(plan_json: dict) -> str:
+    lines = [f"{'rank':>4} {'machine':>7} {'type':>6} {'role':>7}  {'where':<24} {'layers':>9}"]
+    for r in plan_json["ranks"]:
+        if r["role"] == "train":
+            where, layers = f"stage {r['pp']} dp {r['dp']} tp {r['tp']}", f"[{r['layers'][0]},{r['layers'][1]})"
+        else:
+            rep = r["replica"]
+            if rep is None:
+                where, layers = "idle", ""
+            else:
+                spec = plan_json["rollout"]["replicas"][rep]
+                where, layers = f"replica {rep} (tp{spec['tp']} pp{spec['pp']})", ""
+        lines.append(f"{r['rank']:>4} {r['machine']:>7} {r['gpu_type']:>6} {r['role']:>7}  {where:<24} {layers:>9}")
+    pr, tr = plan_json["predicted"], plan_json["train"]
+    tpd = pr["tokens_per_dollar"]
+    lines += [
+        f"train: dp {tr['dp']} tp {tr['tp']} pp {tr['pp']}; rollout: {len(plan_json['rollout']['replicas'])} replicas",
+        f"predicted: rollout {pr['rollout_s']:.2f} s | train {pr['train_s']:.2f} s | sync {pr['sync_s']:.2f} s | "
+        f"reward {pr['reward_s']:.2f} s | step {pr['step_s']:.2f} s",
+        f"           {pr['tokens_per_s']:.1f} tokens/s | ${pr['dollars_per_hour']:.2f}/h | "
+        + (f"{tpd:.0f} tokens/$" if tpd is not None else "free"),
+        f"solver: {plan_json['solver']['seconds']:.2f} s, {plan_json['solver']['iterations']} iterations, "
+        f"{plan_json['solver']['status']}",
+    ]
+    return "\n".join(lines)
+
+
+def plot_plan(plan_json: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    machines = sorted({r["machine"] for r in plan_json["ranks"]})
+    width = max(sum(1 for r in plan_json["ranks"] if r["machine"] == m) for m in machines)
+    fig, ax = plt.subplots(figsize=(1 + 0.9 * width, 0.8 + 0.6 * len(machines)))
+    cmap = plt.get_cmap("tab20")
+    col = {}
+    for row, m in enumerate(machines):
+        for x, r in enumerate(sorted((r for r in plan_json["ranks"] if r["machine"] == m), key=lambda r: r["rank"])):
+            if r["role"] == "train":
+                color, label = "#c0392b", f"S{r['pp']}\nd{r['dp']}t{r['tp']}"
+            else:
+                rep = r["replica"]
+                palette = [i for i in range(20) if i not in (14, 15)]  # skip tab20's greys (idle is grey)
+                color = "#dddddd" if rep is None else col.setdefault(rep, cmap(palette[(2 * rep + 1) % 18]))
+                label = "idle" if rep is None else f"R{rep}"
+            ax.add_patch(plt.Rectangle((x, -row), 0.92, 0.85, color=color))
+            ax.text(x + 0.46, -row + 0.42, f"{label}\n#{r['rank']}", ha="center", va="center", fontsize=6)
+        mtype = next(r["gpu_type"] for r in plan_json["ranks"] if r["machine"] == m)
+        ax.text(-0.1, -row + 0.42, f"m{m} {mtype}", ha="right", va="center", fontsize=7)
+    ax.set_xlim(-1.5, width)
+    ax.set_ylim(-len(machines) + 0.8, 1)
+    ax.axis("off")
+    pr = plan_json["predicted"]
+    ax.set_title(
+        f"step {pr['step_s']:.1f} s, {pr['tokens_per_s']:.0f} tok/s, ${pr['dollars_per_hour']:.2f}/h", fontsize=9
+    )
+    ax.legend(
+        handles=[Patch(color="#c0392b", label="train (stage, dp, tp)"), Patch(color=cmap(1), label="rollout replica")],
+        loc="upper center",
+        fontsize=7,
+        ncol=2,
+        bbox_to_anchor=(0.5, 0.0),
+    )
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- calibration
+
+
+def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficiency | None = None) -> Efficiency:
+    """Fit per-type mfu_train / hbm_eff / mfu_infer and the sync link_eff / latency to measured timings.
+    points: (planner, per-machine trainer counts, {"rollout_s", "train_s", "sync_s"} measured, any subset).
+    Phase 1 is re-run on the fixed partition for every trial so layouts follow the constants."""
+    eff = Efficiency.from_dict((base or Efficiency()).to_dict())
+    types = sorted({t for p, _, _ in points for t in p.types})
+    for t in types:
+        eff.per_type.setdefault(t, cm.TypeEfficiency(**vars(eff.of(t))))
+
+    def predict(key: str) -> list[tuple[float, float]]:
+        out = []
+        for p, counts, meas in points:
+            if key in meas:
+                q = type(p)(p.cluster, p.model, p.wl, eff, p.max_seconds)
+                out.append((getattr(q.evaluate(counts), key), meas[key]))
+        return out
+
+    def loss(key: str) -> float:
+        return sum(math.log(a / b) ** 2 if math.isfinite(a) else 1e9 for a, b in predict(key))
+
+    def fit(key: str, fields: list[str], rounds: int) -> None:
+        for _ in range(rounds):  # coordinate descent, golden section in log space
+            for f in fields:
+
+                def at(x: float, field: str = f) -> float:
+                    for t in types:
+                        setattr(eff.per_type[t], field, math.exp(x))
+                    return loss(key)
+
+                lo, hi, phi = math.log(0.01), math.log(1.0), (math.sqrt(5) - 1) / 2
+                m1, m2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
+                f1, f2 = at(m1), at(m2)
+                for _ in range(24):
+                    if f1 <= f2:
+                        hi, m2, f2 = m2, m1, f1
+                        m1 = hi - phi * (hi - lo)
+                        f1 = at(m1)
+                    else:
+                        lo, m1, f1 = m1, m2, f2
+                        m2 = lo + phi * (hi - lo)
+                        f2 = at(m2)
+                at((lo + hi) / 2)
+
+    fit("train_s", ["mfu_train"], 1)
+    fit("rollout_s", ["hbm_eff"], 1)
+    # mfu_infer is only fitted if the data can see it: decode that is memory-bound everywhere leaves it at its prior
+    prior, base_loss = eff.per_type[types[0]].mfu_infer, loss("rollout_s")
+    for t in types:
+        eff.per_type[t].mfu_infer = prior / 2
+    sensitive = abs(loss("rollout_s") - base_loss) > 0.01 * max(base_loss, 1e-3)
+    for t in types:
+        eff.per_type[t].mfu_infer = prior
+    if sensitive:
+        fit("rollout_s", ["mfu_infer", "hbm_eff"], 2)
+    sync = [
+        (p, type(p)(p.cluster, p.model, p.wl, eff, p.max_seconds).evaluate(c).sync_s, m["sync_s"])
+        for p, c, m in points
+        if "sync_s" in m
+    ]
+    if sync:
+        # predicted sync = latency + GB / (link_eff * bw): recover bw per point, then least squares on (latency, 1/eff)
+        xs = [(s - eff.sync_latency_s) * eff.link_eff for _, s, _ in sync]  # = bytes / link bandwidth
+        ys = [meas for _, _, meas in sync]
+        if len(sync) >= 2 and max(xs) > min(xs):
+            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+            eff.link_eff, eff.sync_latency_s = 1 / max(slope, 1e-6), max(0.0, my - slope * mx)
+        else:  # one point: keep latency <= half the measurement
+            eff.sync_latency_s = min(eff.sync_latency_s, 0.5 * ys[0])
+            eff.link_eff = xs[0] / (ys[0] - eff.sync_latency_s)
+        eff.link_eff = min(max(eff.link_eff, 1e-3), 1.0)  # a fraction of nominal bandwidth
+    eff.per_type["*"] = cm.TypeEfficiency(**vars(eff.per_type[types[0]]))
+    return eff
+
+
 # ----------------------------------------------------------------------------- CLI
+
 
 def workload_args(ap: argparse.ArgumentParser) -> None:
     d = Workload()
@@ -395,10 +710,19 @@ def workload_from(a: argparse.Namespace) -> Workload:
             qs[float(q)] = float(v)
         except ValueError:
             raise PlanError(f"--gen-quantiles: '{part}' is not q:length") from None
-    return Workload.from_quantiles(a.gen_mean, qs, prompts_per_step=a.prompts, samples_per_prompt=a.samples,
-                                   prompt_len=a.prompt_len, eta=a.eta, precision=a.precision, reward_s=a.reward_s,
-                                   max_batch=a.max_batch, microbatch_tokens=a.microbatch_tokens,
-                                   ppo_minibatches=a.ppo_minibatches)
+    return Workload.from_quantiles(
+        a.gen_mean,
+        qs,
+        prompts_per_step=a.prompts,
+        samples_per_prompt=a.samples,
+        prompt_len=a.prompt_len,
+        eta=a.eta,
+        precision=a.precision,
+        reward_s=a.reward_s,
+        max_batch=a.max_batch,
+        microbatch_tokens=a.microbatch_tokens,
+        ppo_minibatches=a.ppo_minibatches,
+    )
 
 
 def parse_layout(text: str | None) -> tuple[int, int, int] | None:
@@ -441,9 +765,17 @@ def plan_main(argv: list[str]) -> int:
     cluster = cm.load_cluster(a.cluster, a.nproc)
     if a.exhaustive and cluster.n_gpus > 16:
         raise PlanError(f"--exhaustive is for small clusters (<= 16 GPUs), this one has {cluster.n_gpus}")
-    result = plan(cluster, cm.load_model(a.model), workload_from(a), Efficiency.load(a.efficiency),
-                  budget=a.budget, min_tokens_per_s=a.min_tokens_per_s, exhaustive=a.exhaustive,
-                  train_layout=parse_layout(a.train_layout), max_seconds=a.max_seconds)
+    result = plan(
+        cluster,
+        cm.load_model(a.model),
+        workload_from(a),
+        Efficiency.load(a.efficiency),
+        budget=a.budget,
+        min_tokens_per_s=a.min_tokens_per_s,
+        exhaustive=a.exhaustive,
+        train_layout=parse_layout(a.train_layout),
+        max_seconds=a.max_seconds,
+    )
     if not a.quiet:
         print(format_table(result))
     if a.out:
@@ -466,12 +798,19 @@ def calibrate_main(argv: list[str]) -> int:
     ap.add_argument("--out", required=True, help="efficiency YAML to write")
     a = ap.parse_args(argv)
     import yaml
+
     if a.profile_cpu:
         prof = cm.profile_cpu()
         print(f"cpu profile: {prof['tflops'] * 1e3:.1f} GFLOP/s, {prof['hbm_tbps'] * 1e3:.1f} GB/s")
-        eff = Efficiency(per_type={"cpu": cm.TypeEfficiency(mfu_train=min(1.0, prof["tflops"] / 0.02 * 0.5),
-                                                            mfu_infer=min(1.0, prof["tflops"] / 0.02 * 0.5),
-                                                            hbm_eff=min(1.0, prof["hbm_tbps"] / 0.005))})
+        eff = Efficiency(
+            per_type={
+                "cpu": cm.TypeEfficiency(
+                    mfu_train=min(1.0, prof["tflops"] / 0.02 * 0.5),
+                    mfu_infer=min(1.0, prof["tflops"] / 0.02 * 0.5),
+                    hbm_eff=min(1.0, prof["hbm_tbps"] / 0.005),
+                )
+            }
+        )
     else:
         if not a.plan:
             raise PlanError("calibrate needs --plan (and measured --rollout-s/--train-s/--sync-s) or --profile-cpu")
@@ -492,8 +831,12 @@ def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
     """Rebuild the Planner and per-machine trainer counts a plan JSON was made from (inputs are embedded)."""
     inp = pj["inputs"]
     cluster = cm.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
-    p = Planner(cluster, cm.model_from_config(inp["model"]), Workload(**inp["workload"]),
-                Efficiency.from_dict(inp["efficiency"]))
+    p = Planner(
+        cluster,
+        cm.model_from_config(inp["model"]),
+        Workload(**inp["workload"]),
+        Efficiency.from_dict(inp["efficiency"]),
+    )
     counts = [0] * len(cluster.machines)
     for r in pj["ranks"]:
         counts[r["machine"]] += r["role"] == "train"

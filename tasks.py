@@ -7,6 +7,7 @@ off-by-one last step). The warm start is trained on a mix of both, so the model 
 unsharp*: its samples are often right (high pass@k) but its greedy answer often is not — exactly
 the situation RL sharpens (see README, "How the tiny model was made").
 """
+
 from __future__ import annotations
 
 import random
@@ -27,7 +28,7 @@ class Problem:
     question: str
     answer: int
     terms: tuple[int, int, int]
-    ops: tuple[str, str]          # each '+' or '-'
+    ops: tuple[str, str]  # each '+' or '-'
 
 
 def _apply(a: int, op: str, b: int) -> int:
@@ -54,8 +55,9 @@ def _needs_carry(a: int, op: str, b: int) -> bool:
     return (a % 10 + b % 10 >= 10) if op == "+" else (a % 10 < b % 10)
 
 
-def worked_solution(p: Problem, rng: random.Random | None = None, mistake_rate: float = 0.0,
-                    mistakes: str = "systematic") -> str:
+def worked_solution(
+    p: Problem, rng: random.Random | None = None, mistake_rate: float = 0.0, mistakes: str = "systematic"
+) -> str:
     """` a+b=m. m-c=r. \\boxed{r}`, possibly with a typical mistake.
 
     mistakes="systematic" (the warm start's): with probability `mistake_rate`, a subtraction in the first
@@ -99,12 +101,20 @@ def make_arith_dataset(num_train: int, num_test: int, seed: int = 0) -> datasets
         if p.question in seen:
             continue
         seen.add(p.question)
-        rows.append({"question": p.question, "answer": str(p.answer), "solution": worked_solution(p),
-                     "terms": list(p.terms), "ops": "".join(p.ops)})
+        rows.append(
+            {
+                "question": p.question,
+                "answer": str(p.answer),
+                "solution": worked_solution(p),
+                "terms": list(p.terms),
+                "ops": "".join(p.ops),
+            }
+        )
     for i, row in enumerate(rows):
         row["prompt_id"] = i
-    return datasets.DatasetDict({"train": datasets.Dataset.from_list(rows[num_test:]),
-                                 "test": datasets.Dataset.from_list(rows[:num_test])})
+    return datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(rows[num_test:]), "test": datasets.Dataset.from_list(rows[:num_test])}
+    )
 
 
 def problem_from_row(row: dict) -> Problem:
@@ -120,9 +130,9 @@ def load_task(data_cfg, tokenizer) -> tuple[list[dict], list[dict]]:
         for row in train + test:
             row["prompt"] = format_prompt(row["question"])
         return train, test
-    import math_data   # real math datasets (GSM8K, MATH, DeepScaleR, jsonl/parquet)
+    import math_data  # real math datasets (GSM8K, MATH, DeepScaleR, jsonl/parquet)
 
     train, test = math_data.load_task_splits(data_cfg)
     for row in train + test:
         row["prompt"] = math_data.format_prompt(tokenizer, row["question"])
-    return train, test[:data_cfg.num_test] if data_cfg.num_test else test
+    return train, test[: data_cfg.num_test] if data_cfg.num_test else test

@@ -23,6 +23,7 @@ process); a non-finite step is skipped (stop after train.max_nonfinite_steps in 
 with one line `[rank R] error: ...` and exit code 2, and the head tells the other ranks to stop (`abort`) so
 none waits forever.
 """
+
 from __future__ import annotations
 
 import datetime
@@ -37,8 +38,15 @@ import torch
 import torch.distributed as dist
 
 from buffer import StalenessBuffer, Trajectory, group_advantages
-from checkpoint import (CheckpointError, CheckpointWriter, find_resume, load_head_state, load_train_shard, open_run,
-                        save_train_shard)
+from checkpoint import (
+    CheckpointError,
+    CheckpointWriter,
+    find_resume,
+    load_head_state,
+    load_train_shard,
+    open_run,
+    save_train_shard,
+)
 from config import Config, ConfigError, load_config, to_dict
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.rankmap import PlanError, check_plan, default_plan, load_plan
@@ -61,19 +69,23 @@ class RolloutRanksLost(RuntimeError):
 
 # ---------------------------------------------------------------------------------------------- setup
 def init_distributed(cfg: Config) -> torch.device:
-    if "RANK" not in os.environ:          # plain `python train.py`: a world of one cannot split roles
-        raise SetupError("launch with torchrun, e.g. `torchrun --nproc_per_node=4 train.py` "
-                         "(hexrl needs at least one rollout and one train rank)")
+    if "RANK" not in os.environ:  # plain `python train.py`: a world of one cannot split roles
+        raise SetupError(
+            "launch with torchrun, e.g. `torchrun --nproc_per_node=4 train.py` "
+            "(hexrl needs at least one rollout and one train rank)"
+        )
     timeout = datetime.timedelta(seconds=cfg.plan.timeout_s)
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
-        if local >= torch.cuda.device_count():   # NCCL refuses two ranks on one GPU
-            raise SetupError(f"local rank {local} has no GPU of its own: {torch.cuda.device_count()} visible on this "
-                             f"node; hexrl runs one rank per GPU (--nproc_per_node=<GPUs per node>)")
+        if local >= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
+            raise SetupError(
+                f"local rank {local} has no GPU of its own: {torch.cuda.device_count()} visible on this "
+                f"node; hexrl runs one rank per GPU (--nproc_per_node=<GPUs per node>)"
+            )
         torch.cuda.set_device(local)
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
         return torch.device("cuda", local)
-    torch.set_num_threads(int(os.environ.get("HEXRL_THREADS", 1)))   # ranks share the cores
+    torch.set_num_threads(int(os.environ.get("HEXRL_THREADS", 1)))  # ranks share the cores
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
 
@@ -104,8 +116,9 @@ def load_tokenizer_and_config(cfg: Config):
 def load_model(cfg: Config, device: torch.device):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(cfg.model.path, dtype=resolve_dtype(cfg, device),
-                                                 attn_implementation=cfg.model.attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        cfg.model.path, dtype=resolve_dtype(cfg, device), attn_implementation=cfg.model.attn_implementation
+    )
     return model.to(device).eval()
 
 
@@ -113,12 +126,21 @@ def make_trainer(cfg: Config, groups, device: torch.device):
     from parallel.trainer import Trainer, TrainerConfig
 
     t = cfg.train
-    tcfg = TrainerConfig(lr=t.lr, weight_decay=t.weight_decay, betas=tuple(t.betas), eps=t.eps,
-                         grad_clip=t.grad_clip or None, clip_eps=t.clip_eps,
-                         behav_imp_weight_cap=t.behav_imp_weight_cap or None,
-                         recompute_prox_logprobs=t.recompute_prox_logprobs, temperature=cfg.rollout.temperature or 1.0,
-                         ppo_minibatches=t.ppo_minibatches, micro_batch_tokens=t.micro_batch_tokens, seed=t.seed,
-                         dtype="bfloat16" if resolve_dtype(cfg, device) == torch.bfloat16 else "float32")
+    tcfg = TrainerConfig(
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        betas=tuple(t.betas),
+        eps=t.eps,
+        grad_clip=t.grad_clip or None,
+        clip_eps=t.clip_eps,
+        behav_imp_weight_cap=t.behav_imp_weight_cap or None,
+        recompute_prox_logprobs=t.recompute_prox_logprobs,
+        temperature=cfg.rollout.temperature or 1.0,
+        ppo_minibatches=t.ppo_minibatches,
+        micro_batch_tokens=t.micro_batch_tokens,
+        seed=t.seed,
+        dtype="bfloat16" if resolve_dtype(cfg, device) == torch.bfloat16 else "float32",
+    )
     return Trainer(cfg.model.path, groups, tcfg, device)
 
 
@@ -140,34 +162,45 @@ def broadcast_json(obj, src: int, group) -> dict:
 class TrainHead:
     """Controller + train rank 0: admission, batching, training, weight sync, evaluation, checkpoints, logging."""
 
-    def __init__(self, cfg: Config, groups, trainer, train_rows: list[dict], test_rows: list[dict],
-                 log: RunLog, device: torch.device, channel: Channel, writer: CheckpointWriter,
-                 resumed: dict | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        groups,
+        trainer,
+        train_rows: list[dict],
+        test_rows: list[dict],
+        log: RunLog,
+        device: torch.device,
+        channel: Channel,
+        writer: CheckpointWriter,
+        resumed: dict | None = None,
+    ):
         self.cfg, self.groups, self.trainer, self.log, self.device = cfg, groups, trainer, log, device
         self.channel, self.writer = channel, writer
         self.rollout_ranks = list(groups.rollout_ranks)
         self.lost_ranks: list[int] = []
-        self.buffer = StalenessBuffer(cfg.train.prompts_per_step, cfg.staleness.max_staleness,
-                                      consume_order=cfg.staleness.consume_order)
+        self.buffer = StalenessBuffer(
+            cfg.train.prompts_per_step, cfg.staleness.max_staleness, consume_order=cfg.staleness.consume_order
+        )
         self.sender = WeightSender(cfg.plan.weight_bucket_mb, cfg.plan.verify_weights, cfg.plan.timeout_s)
         self.train_ids = [r["prompt_id"] for r in train_rows]
         self.test_ids = [r["prompt_id"] for r in test_rows]
         self.data_epoch, self.data_pos = 0, 0
         self.nonfinite_in_a_row = 0
-        if resumed is not None:                   # everything else starts afresh (counters, timings)
+        if resumed is not None:  # everything else starts afresh (counters, timings)
             self.buffer = StalenessBuffer.from_state_dict(resumed["buffer"])
             self.data_epoch, self.data_pos = resumed["data_epoch"], resumed["data_pos"]
             self.nonfinite_in_a_row = resumed["nonfinite_in_a_row"]
         self.order = self._epoch_order(self.data_epoch)
-        self.outstanding = {r: 0 for r in self.rollout_ranks}   # groups granted and not finished, per rank
-        self.counters = {r: {} for r in self.rollout_ranks}     # latest counters reported by each rollout rank
-        self.ready_ranks: set[int] = set()                        # rollout ranks that have said `ready`
+        self.outstanding = {r: 0 for r in self.rollout_ranks}  # groups granted and not finished, per rank
+        self.counters = {r: {} for r in self.rollout_ranks}  # latest counters reported by each rollout rank
+        self.ready_ranks: set[int] = set()  # rollout ranks that have said `ready`
         self.weights_taken = {r: -1 for r in self.rollout_ranks}  # last weight version each rank acknowledged
-        self.pending_eval: dict[int, dict] = {}                  # version -> {correct, total, expected, owed}
+        self.pending_eval: dict[int, dict] = {}  # version -> {correct, total, expected, owed}
         self.evaluated: set[int] = set()
         self.idle_s = 0.0
-        self.state_dict: dict | None = None                      # the weights of the current version (fp32, CPU)
-        self.in_collective = False                               # an error there reaches every train rank itself
+        self.state_dict: dict | None = None  # the weights of the current version (fp32, CPU)
+        self.in_collective = False  # an error there reaches every train rank itself
         self.last_command = time.monotonic()
         self.stopped = False
 
@@ -206,7 +239,7 @@ class TrainHead:
 
     def handle(self, src: int, msg: dict) -> None:
         kind = msg["kind"]
-        if src in self.lost_ranks:                # a dropped rank woke up: its work was re-queued already
+        if src in self.lost_ranks:  # a dropped rank woke up: its work was re-queued already
             return
         if kind == "result":
             trajs = [Trajectory.from_dict(t) for t in msg["trajectories"]]
@@ -236,7 +269,7 @@ class TrainHead:
             for rank in busy:
                 self.drop_rollout_rank(rank, f"silent for {self.cfg.plan.rollout_timeout_s:.0f}s")
         if time.monotonic() - self.last_command > self.cfg.plan.timeout_s / 4:
-            self.command("wait")                  # the other train ranks' broadcast must not time out
+            self.command("wait")  # the other train ranks' broadcast must not time out
 
     def await_ready(self) -> None:
         """Rollout ranks load the model and warm up at their own pace (plan.timeout_s, like any collective);
@@ -245,7 +278,7 @@ class TrainHead:
         while missing := [r for r in self.rollout_ranks if r not in self.ready_ranks]:
             if time.monotonic() > deadline:
                 raise PeerTimeout(missing, self.cfg.plan.timeout_s, "rollout ranks to load the model (`ready`)")
-            self.pump(timeout_s=0.5)              # owes nothing yet, so nobody is dropped for silence here
+            self.pump(timeout_s=0.5)  # owes nothing yet, so nobody is dropped for silence here
 
     def rollout_total(self, key: str) -> float:
         """A counter summed over the rollout ranks (their latest reports)."""
@@ -261,16 +294,19 @@ class TrainHead:
         self.rollout_ranks.remove(rank)
         self.lost_ranks.append(rank)
         self.channel.closed.add(rank)
-        self.channel.send(rank, "abort", reason=f"dropped by the train head ({why})")   # read if it ever wakes
+        self.channel.send(rank, "abort", reason=f"dropped by the train head ({why})")  # read if it ever wakes
         requeued = self.buffer.requeue_rank(rank)
         del self.outstanding[rank]
         self.sender.forget(rank)
         for version, ev in list(self.pending_eval.items()):
             ev["expected"] -= ev["owed"].pop(rank, 0)
             self._finish_eval(version)
-        print(f"[rank {dist.get_rank()}] warning: rollout rank {rank} {why} at step {self.buffer.version}; "
-              f"re-queued groups {requeued}; continuing with rollout ranks {self.rollout_ranks}",
-              file=sys.stderr, flush=True)
+        print(
+            f"[rank {dist.get_rank()}] warning: rollout rank {rank} {why} at step {self.buffer.version}; "
+            f"re-queued groups {requeued}; continuing with rollout ranks {self.rollout_ranks}",
+            file=sys.stderr,
+            flush=True,
+        )
         self.log.event(self.buffer.version, "rollout_rank_lost", rank=rank, reason=why, requeued=requeued)
         self.grant()
 
@@ -301,9 +337,15 @@ class TrainHead:
             self.in_collective = False
         t0 = time.perf_counter()
         self.await_weight_receipts(self.cfg.plan.rollout_timeout_s)
-        self.sender.send(self.channel, self.rollout_ranks, self.state_dict, self.buffer.version, self.device,
-                         self.cfg.plan.rollout_timeout_s)
-        self.buffer.weights_sent(self.buffer.version)   # only now may groups be admitted at this version
+        self.sender.send(
+            self.channel,
+            self.rollout_ranks,
+            self.state_dict,
+            self.buffer.version,
+            self.device,
+            self.cfg.plan.rollout_timeout_s,
+        )
+        self.buffer.weights_sent(self.buffer.version)  # only now may groups be admitted at this version
         return time.perf_counter() - t0
 
     def note_weights_taken(self, rank: int, version: int) -> None:
@@ -312,8 +354,11 @@ class TrainHead:
 
     def weights_not_taken(self) -> list[int]:
         """Ranks the last version was sent to that have not acknowledged it."""
-        return [r for r in self.sender.receivers_in_flight()
-                if self.weights_taken.get(r, -1) < self.sender.in_flight_version]
+        return [
+            r
+            for r in self.sender.receivers_in_flight()
+            if self.weights_taken.get(r, -1) < self.sender.in_flight_version
+        ]
 
     def await_weight_receipts(self, timeout_s: float) -> None:
         """Every rank the previous version went to acknowledges it over the channel, or is dropped: never a
@@ -333,9 +378,9 @@ class TrainHead:
     def train_on(self, batch: list) -> tuple[dict, bool]:
         """Returns (stats, updated): a batch with non-finite inputs, or whose loss or gradient turns out
         non-finite, is consumed without an update (the trainer skips the optimizer step)."""
-        version = self.buffer.version - 1            # the version these trajectories are trained at
+        version = self.buffer.version - 1  # the version these trajectories are trained at
         trajs: list[Trajectory] = []
-        for ticket, group in batch:
+        for _ticket, group in batch:
             for t, a in zip(group, group_advantages([t.reward for t in group], self.cfg.train.advantage_eps)):
                 t.advantage = a
             trajs.extend(group)
@@ -352,27 +397,38 @@ class TrainHead:
         train_s = time.perf_counter() - t0
         self.log.ledger(trajs, version, self.buffer.version, updated)
         lags = [version - v for t in trajs for v in t.versions]
-        return {**stats, "train_s": train_s, "nonfinite_skipped": int(not updated),
-                "reward_mean": sum(t.reward for t in trajs) / len(trajs),
-                "train_accuracy": sum(t.correct for t in trajs) / len(trajs),
-                "staleness_max": max(lags, default=0), "staleness_mean": sum(lags) / max(len(lags), 1),
-                "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs)}, updated
+        return {
+            **stats,
+            "train_s": train_s,
+            "nonfinite_skipped": int(not updated),
+            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "train_accuracy": sum(t.correct for t in trajs) / len(trajs),
+            "staleness_max": max(lags, default=0),
+            "staleness_mean": sum(lags) / max(len(lags), 1),
+            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        }, updated
 
     def check_finite(self, updated: bool) -> None:
         self.nonfinite_in_a_row = 0 if updated else self.nonfinite_in_a_row + 1
         if not updated:
             limit = self.cfg.train.max_nonfinite_steps
-            print(f"[rank {dist.get_rank()}] warning: step {self.buffer.version} had a non-finite loss or input; "
-                  f"update skipped ({self.nonfinite_in_a_row} in a row, limit {limit})", file=sys.stderr, flush=True)
+            print(
+                f"[rank {dist.get_rank()}] warning: step {self.buffer.version} had a non-finite loss or input; "
+                f"update skipped ({self.nonfinite_in_a_row} in a row, limit {limit})",
+                file=sys.stderr,
+                flush=True,
+            )
             if self.nonfinite_in_a_row >= max(limit, 1):
-                raise NonFiniteError(f"{self.nonfinite_in_a_row} non-finite steps in a row (up to step "
-                                     f"{self.buffer.version}, train.max_nonfinite_steps={limit}); "
-                                     "lower train.lr or check the data and rewards")
+                raise NonFiniteError(
+                    f"{self.nonfinite_in_a_row} non-finite steps in a row (up to step "
+                    f"{self.buffer.version}, train.max_nonfinite_steps={limit}); "
+                    "lower train.lr or check the data and rewards"
+                )
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint(self) -> None:
         """Every train rank writes its shard into the temp dir, then the head completes it (checkpoint.py)."""
-        self.wait_evals()                             # eval lines land before the recorded log sizes
+        self.wait_evals()  # eval lines land before the recorded log sizes
         version = self.buffer.version
         tmp = self.writer.begin(version)
         self.command("checkpoint", dir=str(tmp))
@@ -380,19 +436,26 @@ class TrainHead:
         save_train_shard(self.trainer, tmp, dist.get_rank())
         dist.barrier(group=self.groups.train_group)
         self.in_collective = False
-        head_state = {"config": to_dict(self.cfg), "version": version, "buffer": self.buffer.state_dict(),
-                      "data_epoch": self.data_epoch, "data_pos": self.data_pos,
-                      "nonfinite_in_a_row": self.nonfinite_in_a_row, "wandb_id": self.log.wandb_id,
-                      "log_sizes": self.log.sizes(), "lost_rollout_ranks": self.lost_ranks}
+        head_state = {
+            "config": to_dict(self.cfg),
+            "version": version,
+            "buffer": self.buffer.state_dict(),
+            "data_epoch": self.data_epoch,
+            "data_pos": self.data_pos,
+            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            "wandb_id": self.log.wandb_id,
+            "log_sizes": self.log.sizes(),
+            "lost_rollout_ranks": self.lost_ranks,
+        }
         self.writer.finish(tmp, version, self.state_dict, head_state)
 
     def run(self) -> None:
         cfg = self.cfg
         start_version = self.buffer.version
         self.await_ready()
-        self.sync_weights()                           # rollout ranks start bitwise equal to the trainer
+        self.sync_weights()  # rollout ranks start bitwise equal to the trainer
         if start_version == 0 or (cfg.logging.eval_every and start_version % cfg.logging.eval_every == 0):
-            self.start_eval(start_version)            # (a resumed run redoes the eval its checkpoint preceded)
+            self.start_eval(start_version)  # (a resumed run redoes the eval its checkpoint preceded)
             self.wait_evals()
         self.grant()
         t_start = last = time.monotonic()
@@ -408,26 +471,32 @@ class TrainHead:
             batch = self.buffer.take()
             stats, updated = self.train_on(batch)
             sync_s = self.sync_weights(changed=updated)
-            self.grant()                              # capacity grew with the version
+            self.grant()  # capacity grew with the version
             now = time.monotonic()
             step_s, last = now - last, now
             gen_tokens = self.rollout_total("generated_tokens")
             roll_idle = [c["idle_s"] / max(c["elapsed_s"], 1e-9) for c in self.counters.values() if c]
-            stats.update(step=self.buffer.version, version=self.buffer.version, step_s=step_s, weight_sync_s=sync_s,
-                         trained_tokens_per_s=stats["trained_tokens"] / step_s,
-                         generated_tokens_per_s=(gen_tokens - last_counters.get("gen", 0)) / step_s,
-                         rollout_idle_frac=sum(roll_idle) / max(len(roll_idle), 1),
-                         trainer_idle_frac=self.idle_s / max(now - t_start, 1e-9),
-                         reward_s=self.rollout_total("reward_s"),
-                         rollout_prefill_s=self.rollout_total("prefill_s"),
-                         rollout_prefill_tokens=self.rollout_total("prefill_tokens"),
-                         elapsed_s=now - t_start)
+            stats.update(
+                step=self.buffer.version,
+                version=self.buffer.version,
+                step_s=step_s,
+                weight_sync_s=sync_s,
+                trained_tokens_per_s=stats["trained_tokens"] / step_s,
+                generated_tokens_per_s=(gen_tokens - last_counters.get("gen", 0)) / step_s,
+                rollout_idle_frac=sum(roll_idle) / max(len(roll_idle), 1),
+                trainer_idle_frac=self.idle_s / max(now - t_start, 1e-9),
+                reward_s=self.rollout_total("reward_s"),
+                rollout_prefill_s=self.rollout_total("prefill_s"),
+                rollout_prefill_tokens=self.rollout_total("prefill_tokens"),
+                elapsed_s=now - t_start,
+            )
             last_counters["gen"] = gen_tokens
             self.log.step(stats)
             self.check_finite(updated)
             v = self.buffer.version
-            if (cfg.checkpoint.every and v % cfg.checkpoint.every == 0) or \
-                    (cfg.checkpoint.at_end and v == cfg.train.total_steps):
+            if (cfg.checkpoint.every and v % cfg.checkpoint.every == 0) or (
+                cfg.checkpoint.at_end and v == cfg.train.total_steps
+            ):
                 self.checkpoint()
             if cfg.logging.eval_every and v % cfg.logging.eval_every == 0 and v < cfg.train.total_steps:
                 self.start_eval(v)
@@ -436,8 +505,10 @@ class TrainHead:
         self.wait_evals()
         self.shutdown()
         if self.lost_ranks:
-            raise RolloutRanksLost(f"finished at step {self.buffer.version} without rollout rank(s) "
-                                   f"{self.lost_ranks} (stopped answering); exiting 3 so the launcher ends them")
+            raise RolloutRanksLost(
+                f"finished at step {self.buffer.version} without rollout rank(s) "
+                f"{self.lost_ranks} (stopped answering); exiting 3 so the launcher ends them"
+            )
 
     def shutdown(self) -> None:
         self.command("stop")
@@ -452,26 +523,26 @@ class TrainHead:
                 elif msg["kind"] == "weights_ok":
                     self.note_weights_taken(src, msg["version"])
         for rank in self.weights_not_taken():
-            self.sender.forget(rank)              # it never took the last version: do not wait on gloo for it
+            self.sender.forget(rank)  # it never took the last version: do not wait on gloo for it
         self.sender.wait(self.cfg.plan.timeout_s)
 
     def abort(self, reason: str) -> None:
         """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""
-        if self.stopped:                          # they have their `stop` already
+        if self.stopped:  # they have their `stop` already
             return
         for rank in self.rollout_ranks:
             self.channel.send(rank, "abort", reason=reason)
         if not self.in_collective:
             try:
                 self.command("abort", reason=reason)
-            except RuntimeError:                  # a train rank is gone: torchrun ends the others
+            except RuntimeError:  # a train rank is gone: torchrun ends the others
                 pass
 
 
 def run_train_follower(groups, trainer) -> None:
     """Train ranks other than the head: do what the head broadcasts."""
     head = groups.train_ranks[0]
-    trainer.gather_full_state_dict()                 # the head's first weight sync (a collective under TP/PP)
+    trainer.gather_full_state_dict()  # the head's first weight sync (a collective under TP/PP)
     while True:
         cmd = broadcast_json(None, src=head, group=groups.train_group)
         kind = cmd["kind"]
@@ -513,21 +584,26 @@ def main(argv: list[str]) -> int:
     device = init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
     tok, hf_config = load_tokenizer_and_config(cfg)
-    plan = load_plan(cfg.plan.path) if cfg.plan.path else \
-        default_plan(world, hf_config.num_hidden_layers, cfg.plan.num_rollout)
+    plan = (
+        load_plan(cfg.plan.path)
+        if cfg.plan.path
+        else default_plan(world, hf_config.num_hidden_layers, cfg.plan.num_rollout)
+    )
     check_plan(plan, world, hf_config.num_hidden_layers)
     torch.manual_seed(cfg.train.seed)
 
     from parallel.groups import build_groups
-    groups = build_groups(plan)                      # collective: every rank, same order
+
+    groups = build_groups(plan)  # collective: every rank, same order
     try:
         train_rows, test_rows = load_task(cfg.data, tok)
-    except (ValueError, OSError, RuntimeError) as e:   # bad rows (on_bad_row=fail), missing files, no rows
+    except (ValueError, OSError, RuntimeError) as e:  # bad rows (on_bad_row=fail), missing files, no rows
         raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]
 
     if groups.role == "rollout":
         from rollout_worker import RolloutWorker
+
         RolloutWorker(cfg, load_model(cfg, device), tok, train_rows, test_rows, head, device).run()
         return 0
     if rank != head:
@@ -566,7 +642,7 @@ def shutdown_cleanly(code: int) -> None:
         if code == 0:
             try:
                 dist.barrier()
-            except RuntimeError:        # a peer ended first (e.g. the head exiting 3): it reports why itself
+            except RuntimeError:  # a peer ended first (e.g. the head exiting 3): it reports why itself
                 os._exit(0)
         dist.destroy_process_group()
     sys.stdout.flush()
@@ -585,7 +661,7 @@ def exit_on_error(e: BaseException) -> None:
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
         os._exit(3)
     if isinstance(e, SAME_ON_EVERY_RANK) and rank != "0":
-        time.sleep(5.0)              # rank 0 prints it; exiting first would make torchrun kill rank 0 mid-way
+        time.sleep(5.0)  # rank 0 prints it; exiting first would make torchrun kill rank 0 mid-way
     elif not isinstance(e, Aborted):
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
     os._exit(2)

@@ -7,6 +7,7 @@ holding CUDA/NCCL state, nor re-imports the caller's __main__) that the caller k
 Protocol: the worker prints `ready`, then answers each JSON line [answer, gold] on stdin with one line,
 `correct`, `wrong` or `parse_error`, until stdin closes.
 """
+
 from __future__ import annotations
 
 import json
@@ -24,6 +25,7 @@ REPLIES = ("correct", "wrong", "parse_error")
 def verify_unbounded(answer: str, gold: str) -> str:
     """'correct' / 'wrong' / 'parse_error' from math-verify. May run forever on pathological input."""
     from math_verify import parse, verify
+
     try:
         gold_parsed = parse("\\boxed{" + gold + "}", parsing_timeout=None)
         answer_parsed = parse("\\boxed{" + answer + "}", parsing_timeout=None)
@@ -40,8 +42,16 @@ def _silence_math_verify_logs() -> None:
         logging.getLogger(name).setLevel(logging.ERROR)
 
 
-_WARMUP_PAIRS = (("(x+1)^2", "x^2+2x+1"), ("[0,1)", "(0,1)"), ("\\dfrac{3}{4}", "0.75"), ("10\\%", "0.1"),
-                 ("\\{1,2\\}", "\\{2,1\\}"), ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"), ("\\text{B}", "B"), ("x=5", "5"))
+_WARMUP_PAIRS = (
+    ("(x+1)^2", "x^2+2x+1"),
+    ("[0,1)", "(0,1)"),
+    ("\\dfrac{3}{4}", "0.75"),
+    ("10\\%", "0.1"),
+    ("\\{1,2\\}", "\\{2,1\\}"),
+    ("\\sqrt{2}/2", "\\frac{\\sqrt{2}}{2}"),
+    ("\\text{B}", "B"),
+    ("x=5", "5"),
+)
 
 
 def worker_main(memory_budget_bytes: int) -> None:
@@ -54,13 +64,16 @@ def worker_main(memory_budget_bytes: int) -> None:
     try:  # die with the parent, even while stuck inside sympy
         import ctypes
         import signal
+
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
     _silence_math_verify_logs()
     import math_verify  # noqa: F401  (import cost paid before 'ready', not inside a timed job)
+
     try:  # cap address space so a huge sympy integer (10^{10^{10}}) fails with MemoryError instead of OOMing
         import resource
+
         with open("/proc/self/statm") as f:
             current = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         resource.setrlimit(resource.RLIMIT_AS, (current + memory_budget_bytes, resource.RLIM_INFINITY))
@@ -82,10 +95,18 @@ class VerifierProcess:
     """One killable math-verify worker. States: starting -> ready (idle) <-> busy; killed on timeout."""
 
     def __init__(self, memory_budget_bytes: int = 2 << 30):
-        code = (f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
-                f"import verify_worker; verify_worker.worker_main({int(memory_budget_bytes)})")
-        self.process = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                        text=True, bufsize=1, close_fds=True)
+        code = (
+            f"import sys; sys.path.insert(0, {os.path.dirname(os.path.abspath(__file__))!r}); "
+            f"import verify_worker; verify_worker.worker_main({int(memory_budget_bytes)})"
+        )
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            close_fds=True,
+        )
         self.ready = False
         self.dead = False
         self.job: tuple | None = None  # (key, answer, gold, started_at) while busy
@@ -97,8 +118,10 @@ class VerifierProcess:
         if not self.ready and self._readable(0):
             msg = self.recv()
             if msg != "ready":
-                raise RuntimeError(f"reward worker failed during startup (exit code {self.process.poll()}); "
-                                   "check that math-verify imports in a fresh interpreter")
+                raise RuntimeError(
+                    f"reward worker failed during startup (exit code {self.process.poll()}); "
+                    "check that math-verify imports in a fresh interpreter"
+                )
             self.ready = True
         return self.ready
 

@@ -5,6 +5,7 @@
 The measurement loops stop once the budget is spent, so the overrun is the last iteration plus allocating the
 matrices and buffers (the first call also imports numpy); `schedule.py --profile-cpu` runs it once per plan.
 """
+
 from __future__ import annotations
 
 import sys

@@ -7,6 +7,7 @@ Responses are built from the vendored GSM8K test split (1,319 problems), three p
 solution (`#### N`, correct), the same with its final number altered (wrong), and a chat-style ending
 "... so the answer is $\\boxed{N}$." (correct). Every verdict is checked, so a fast wrong scorer cannot pass.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -22,9 +23,16 @@ import reward_math  # noqa: E402
 
 GSM8K_TEST = os.path.join(os.path.dirname(__file__), "..", "data", "gsm8k", "test.jsonl")
 # MATH-convention pairs that need math-verify (none is a plain number on both sides)
-LATEX_PAIRS = [("\\frac{3}{4}", "\\dfrac{6}{8}", 1.0), ("x^2+2x+1", "(x+1)^2", 1.0), ("[0,1)", "(0,1)", 0.0),
-               ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2", 1.0), ("(1,2)", "(2,1)", 0.0), ("10\\%", "\\frac{1}{10}", 1.0),
-               ("\\{1,2,3\\}", "\\{3,1,2\\}", 1.0), ("2\\pi", "\\pi", 0.0)]
+LATEX_PAIRS = [
+    ("\\frac{3}{4}", "\\dfrac{6}{8}", 1.0),
+    ("x^2+2x+1", "(x+1)^2", 1.0),
+    ("[0,1)", "(0,1)", 0.0),
+    ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2", 1.0),
+    ("(1,2)", "(2,1)", 0.0),
+    ("10\\%", "\\frac{1}{10}", 1.0),
+    ("\\{1,2,3\\}", "\\{3,1,2\\}", 1.0),
+    ("2\\pi", "\\pi", 0.0),
+]
 
 
 def gsm8k_responses() -> list[tuple[str, str, float]]:
@@ -35,8 +43,11 @@ def gsm8k_responses() -> list[tuple[str, str, float]]:
             head, gold = solution.rsplit("####", 1)
             gold = gold.strip()
             wrong = int(gold.replace(",", "")) + 1
-            cases += [(solution, gold, 1.0), (f"{head}#### {wrong}", gold, 0.0),
-                      (f"{head.strip()}\nSo the answer is $\\boxed{{{gold}}}$.", gold, 1.0)]
+            cases += [
+                (solution, gold, 1.0),
+                (f"{head}#### {wrong}", gold, 0.0),
+                (f"{head.strip()}\nSo the answer is $\\boxed{{{gold}}}$.", gold, 1.0),
+            ]
     return cases
 
 
@@ -92,14 +103,18 @@ def main() -> None:
     torch.set_num_threads(1)
     cases = gsm8k_responses()
     per_s = bench_fast_path(cases, args.repeats)
-    print(f"fast path  : {per_s:,.0f} scorings/s/process over {args.repeats}x{len(cases)} GSM8K responses "
-          f"({1e6 / per_s:.0f} us each), all verdicts checked")
+    print(
+        f"fast path  : {per_s:,.0f} scorings/s/process over {args.repeats}x{len(cases)} GSM8K responses "
+        f"({1e6 / per_s:.0f} us each), all verdicts checked"
+    )
     if args.slow > 0:
         pool = bench_pool(args.workers, args.slow)
         n = args.slow * len(LATEX_PAIRS)
-        print(f"math-verify: {n} LaTeX jobs, {args.workers} workers (startup {pool['worker_startup_s']:.1f}s): "
-              f"cold {pool['cold_per_s']:.1f}/s ({pool['cold_mean_service_ms']:.0f} ms/job service, "
-              f"{pool['cold_timeouts']} timeouts), cached {pool['cached_per_s']:,.0f}/s")
+        print(
+            f"math-verify: {n} LaTeX jobs, {args.workers} workers (startup {pool['worker_startup_s']:.1f}s): "
+            f"cold {pool['cold_per_s']:.1f}/s ({pool['cold_mean_service_ms']:.0f} ms/job service, "
+            f"{pool['cold_timeouts']} timeouts), cached {pool['cached_per_s']:,.0f}/s"
+        )
 
 
 if __name__ == "__main__":

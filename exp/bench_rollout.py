@@ -21,6 +21,7 @@ Achieved GB/s = decode forward passes x weight bytes / seconds (the dominant HBM
 achieved FLOP/s = 2 x parameters x useful tokens / seconds. Peaks are measured here: a square fp32
 matmul and a large tensor copy (read + write bytes).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -43,18 +44,38 @@ sys.path.insert(0, str(ROOT))
 from rollout import Generator, SamplingParams, gpu_options  # noqa: E402
 
 TINY_DIR = ROOT / "exp" / "tiny-model"
-RANDOM_CONFIGS = {   # random-init stand-ins when (or besides) the shipped tiny model
-    "rand-256x4": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
-                       num_key_value_heads=4, vocab_size=8192),
-    "rand-30m": dict(hidden_size=512, intermediate_size=1376, num_hidden_layers=6, num_attention_heads=8,
-                     num_key_value_heads=4, vocab_size=16384),
+RANDOM_CONFIGS = {  # random-init stand-ins when (or besides) the shipped tiny model
+    "rand-256x4": dict(
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=8192,
+    ),
+    "rand-30m": dict(
+        hidden_size=512,
+        intermediate_size=1376,
+        num_hidden_layers=6,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        vocab_size=16384,
+    ),
     # the shape of Qwen2.5-1.5B / DeepSeek-R1-Distill-Qwen-1.5B (GPU: the paper's smallest model, bandwidth-bound)
-    "rand-1.5b": dict(hidden_size=1536, intermediate_size=8960, num_hidden_layers=28, num_attention_heads=12,
-                      num_key_value_heads=2, vocab_size=151936, tie_word_embeddings=True),
+    "rand-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
 }
 
 
 # ----------------------------------------------------------------------------- machine peaks
+
 
 def measure_peaks(device: torch.device, dtype: torch.dtype) -> tuple[float, float]:
     """(matmul FLOP/s, copy GB/s) measured in about a second."""
@@ -84,6 +105,7 @@ def sync(device: torch.device) -> None:
 
 # ----------------------------------------------------------------------------- workloads
 
+
 class RowLimits(StoppingCriteria):
     """Marks row i done once it has generated limits[i] tokens (HF stops when all rows are done)."""
 
@@ -95,9 +117,11 @@ class RowLimits(StoppingCriteria):
 
 
 def make_prompts(model_name: str, n_prompts: int, rng: random.Random, vocab: int) -> list[list[int]]:
-    if model_name == "tiny":   # the task's real prompts, so the model's own EOS ends them
+    if model_name == "tiny":  # the task's real prompts, so the model's own EOS ends them
         from transformers import AutoTokenizer
+
         from tasks import format_prompt, make_arith_dataset
+
         tok = AutoTokenizer.from_pretrained(TINY_DIR)
         rows = make_arith_dataset(0, n_prompts, seed=123)["test"]
         return [tok(format_prompt(r["question"]))["input_ids"] for r in rows]
@@ -109,8 +133,12 @@ def long_tailed_limits(n: int, rng: random.Random, cap: int) -> list[int]:
 
 
 def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
-    params = [SamplingParams(temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=lim,
-                             stop_token_ids=stop, seed=seed + i) for i, lim in enumerate(limits)]
+    params = [
+        SamplingParams(
+            temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=lim, stop_token_ids=stop, seed=seed + i
+        )
+        for i, lim in enumerate(limits)
+    ]
     steps_before = gen.stats.decode_steps
     sync(gen.device)
     t0 = time.perf_counter()
@@ -124,23 +152,32 @@ def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
     device = next(model.parameters()).device
     useful, steps, seconds = 0, 0, 0.0
     for start in range(0, len(prompts), batch):
-        chunk, lims = prompts[start:start + batch], limits[start:start + batch]
+        chunk, lims = prompts[start : start + batch], limits[start : start + batch]
         width = max(len(p) for p in chunk)
         ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in chunk], device=device)
         mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
-        kwargs = dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0) if temperature > 0 else \
-            dict(do_sample=False)
+        kwargs = (
+            dict(do_sample=True, temperature=temperature, top_p=1.0, top_k=0)
+            if temperature > 0
+            else dict(do_sample=False)
+        )
         sync(device)
         t0 = time.perf_counter()
         with torch.no_grad():
-            out = model.generate(ids, attention_mask=mask, max_new_tokens=max(lims), pad_token_id=pad_id,
-                                 eos_token_id=stop or None,
-                                 stopping_criteria=StoppingCriteriaList([RowLimits(width, lims)]), **kwargs)
+            out = model.generate(
+                ids,
+                attention_mask=mask,
+                max_new_tokens=max(lims),
+                pad_token_id=pad_id,
+                eos_token_id=stop or None,
+                stopping_criteria=StoppingCriteriaList([RowLimits(width, lims)]),
+                **kwargs,
+            )
         sync(device)
         seconds += time.perf_counter() - t0
         gen = out[:, width:].tolist()
         steps += len(gen[0])
-        for row, lim in zip(gen, lims):   # useful = up to the row's limit or its first stop token
+        for row, lim in zip(gen, lims):  # useful = up to the row's limit or its first stop token
             row = row[:lim]
             ends = [i for i, t in enumerate(row) if t in stop]
             useful += ends[0] + 1 if ends else len(row)
@@ -149,24 +186,35 @@ def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
 
 # ----------------------------------------------------------------------------- main
 
+
 def load_model(name: str, device: torch.device, dtype: torch.dtype):
     if name == "tiny":
         model = AutoModelForCausalLM.from_pretrained(TINY_DIR, dtype=torch.float32)
         stop = [model.config.eos_token_id]
     else:
         torch.manual_seed(0)
-        with device:   # initialised where it runs (a 1.5B model's random init takes minutes on CPU)
-            model = LlamaForCausalLM(LlamaConfig(**RANDOM_CONFIGS[name], max_position_embeddings=512,
-                                                 eos_token_id=None, bos_token_id=None, pad_token_id=0))
+        with device:  # initialised where it runs (a 1.5B model's random init takes minutes on CPU)
+            model = LlamaForCausalLM(
+                LlamaConfig(
+                    **RANDOM_CONFIGS[name],
+                    max_position_embeddings=512,
+                    eos_token_id=None,
+                    bos_token_id=None,
+                    pad_token_id=0,
+                )
+            )
         stop = []
-    model.generation_config.eos_token_id = None   # only the stop ids we pass count, for both sides
+    model.generation_config.eos_token_id = None  # only the stop ids we pass count, for both sides
     return model.to(device=device, dtype=dtype).eval(), stop
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", default="tiny,rand-256x4,rand-30m",
-                    help="comma list of: tiny (exp/tiny-model, skipped if absent), " + ", ".join(RANDOM_CONFIGS))
+    ap.add_argument(
+        "--models",
+        default="tiny,rand-256x4,rand-30m",
+        help="comma list of: tiny (exp/tiny-model, skipped if absent), " + ", ".join(RANDOM_CONFIGS),
+    )
     ap.add_argument("--requests", type=int, default=256, help="RL workload size (prompts x 4 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--greedy-requests", type=int, default=64)
@@ -175,10 +223,18 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", default="rl,rl-tail,greedy")
     ap.add_argument("--repeats", type=int, default=1, help="runs per engine (alternating); the fastest counts")
-    ap.add_argument("--compile", default="auto", choices=["auto", "always", "never"],
-                    help="our decode step under torch.compile (CUDA graphs on GPU); auto: on a GPU")
-    ap.add_argument("--flash-attn", default="never", choices=["auto", "always", "never"],
-                    help="flash-attn's KV-cache decode kernel (untested); auto: on a GPU when installed")
+    ap.add_argument(
+        "--compile",
+        default="auto",
+        choices=["auto", "always", "never"],
+        help="our decode step under torch.compile (CUDA graphs on GPU); auto: on a GPU",
+    )
+    ap.add_argument(
+        "--flash-attn",
+        default="never",
+        choices=["auto", "always", "never"],
+        help="flash-attn's KV-cache decode kernel (untested); auto: on a GPU when installed",
+    )
     args = ap.parse_args()
     unknown = set(args.workloads.split(",")) - {"rl", "rl-tail", "greedy"}
     if unknown:
@@ -189,8 +245,10 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak_flops, peak_gbs = measure_peaks(device, dtype)
-    print(f"device {device} {dtype}, threads {args.threads}: peak matmul {peak_flops / 1e9:.1f} GFLOP/s, "
-          f"copy {peak_gbs:.1f} GB/s; ours: {gpu_options(device, args.compile, args.flash_attn)}")
+    print(
+        f"device {device} {dtype}, threads {args.threads}: peak matmul {peak_flops / 1e9:.1f} GFLOP/s, "
+        f"copy {peak_gbs:.1f} GB/s; ours: {gpu_options(device, args.compile, args.flash_attn)}"
+    )
 
     rows = []
     for name in args.models.split(","):
@@ -205,10 +263,10 @@ def main() -> None:
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         rng = random.Random(0)
         vocab = model.config.vocab_size
-        workloads = []   # (name, prompts, limits, temperature, stop ids)
+        workloads = []  # (name, prompts, limits, temperature, stop ids)
         for workload in args.workloads.split(","):
             if workload == "rl-tail" and not stop:
-                continue                  # a model without EOS runs the long-tailed lengths under "rl" already
+                continue  # a model without EOS runs the long-tailed lengths under "rl" already
             if workload in ("rl", "rl-tail"):
                 base = make_prompts(name, args.requests // 4, rng, vocab)
                 prompts = [p for p in base for _ in range(4)]
@@ -221,13 +279,17 @@ def main() -> None:
                 prompts = make_prompts(name, args.greedy_requests, rng, vocab)
                 workloads.append((workload, prompts, [args.greedy_tokens] * len(prompts), 0.0, []))
         # one generator for all workloads, as a rollout rank keeps one; its first call compiles the decode step (GPU)
-        gen = Generator(model, max_batch_size=args.slots, max_seq_len=max(
-            max(len(p) for p in w[1]) + max(w[2]) for w in workloads), **gpu_options(device, args.compile, args.flash_attn))
+        gen = Generator(
+            model,
+            max_batch_size=args.slots,
+            max_seq_len=max(max(len(p) for p in w[1]) + max(w[2]) for w in workloads),
+            **gpu_options(device, args.compile, args.flash_attn),
+        )
         for workload, prompts, limits, temperature, wl_stop in workloads:
-            run_ours(gen, prompts[:4], [8] * 4, temperature, wl_stop)   # warm-up
+            run_ours(gen, prompts[:4], [8] * 4, temperature, wl_stop)  # warm-up
             run_hf(hf_model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, 0)
             best: dict[str, tuple[int, float, int]] = {}
-            for _ in range(args.repeats):   # alternate engines; keep each one's fastest run (shared CPUs are noisy)
+            for _ in range(args.repeats):  # alternate engines; keep each one's fastest run (shared CPUs are noisy)
                 for engine in ("ours", "hf"):
                     if engine == "ours":
                         result = run_ours(gen, prompts, limits, temperature, wl_stop)
@@ -236,23 +298,40 @@ def main() -> None:
                     if engine not in best or result[1] < best[engine][1]:
                         best[engine] = result
             for engine, (useful, seconds, steps) in best.items():
-                rows.append(dict(model=f"{name} ({n_params / 1e6:.1f}M)", workload=workload, engine=engine,
-                                 tokens=useful, steps=steps, seconds=seconds, tps=useful / seconds,
-                                 gbs=steps * weight_bytes / seconds / 1e9,
-                                 flops=2 * n_params * useful / seconds))
-                print(f"  {name:10s} {workload:6s} {engine:4s} {useful:7d} tok {steps:5d} steps "
-                      f"{seconds:7.2f} s {useful / seconds:9.1f} tok/s", flush=True)
+                rows.append(
+                    dict(
+                        model=f"{name} ({n_params / 1e6:.1f}M)",
+                        workload=workload,
+                        engine=engine,
+                        tokens=useful,
+                        steps=steps,
+                        seconds=seconds,
+                        tps=useful / seconds,
+                        gbs=steps * weight_bytes / seconds / 1e9,
+                        flops=2 * n_params * useful / seconds,
+                    )
+                )
+                print(
+                    f"  {name:10s} {workload:6s} {engine:4s} {useful:7d} tok {steps:5d} steps "
+                    f"{seconds:7.2f} s {useful / seconds:9.1f} tok/s",
+                    flush=True,
+                )
 
-    print("\n| model | workload | engine | useful tokens | decode steps | s | tok/s | ratio | GB/s (% peak) "
-          "| GFLOP/s (% peak) |")
+    print(
+        "\n| model | workload | engine | useful tokens | decode steps | s | tok/s | ratio | GB/s (% peak) "
+        "| GFLOP/s (% peak) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
-        hf = next(r for r in rows if r["model"] == row["model"] and r["workload"] == row["workload"]
-                  and r["engine"] == "hf")
-        print(f"| {row['model']} | {row['workload']} | {row['engine']} | {row['tokens']} | {row['steps']} | "
-              f"{row['seconds']:.2f} | {row['tps']:.0f} | {row['tps'] / hf['tps']:.2f}x | "
-              f"{row['gbs']:.1f} ({100 * row['gbs'] / peak_gbs:.0f}%) | "
-              f"{row['flops'] / 1e9:.2f} ({100 * row['flops'] / peak_flops:.0f}%) |")
+        hf = next(
+            r for r in rows if r["model"] == row["model"] and r["workload"] == row["workload"] and r["engine"] == "hf"
+        )
+        print(
+            f"| {row['model']} | {row['workload']} | {row['engine']} | {row['tokens']} | {row['steps']} | "
+            f"{row['seconds']:.2f} | {row['tps']:.0f} | {row['tps'] / hf['tps']:.2f}x | "
+            f"{row['gbs']:.1f} ({100 * row['gbs'] / peak_gbs:.0f}%) | "
+            f"{row['flops'] / 1e9:.2f} ({100 * row['flops'] / peak_flops:.0f}%) |"
+        )
 
 
 if __name__ == "__main__":

@@ -10,6 +10,7 @@ model 7B, the reproduction workload. Time = the full two-phase solve (Algorithm 
 Optimality check: the workload of tests/test_schedule.py::test_planner_matches_exhaustive_on_50_random_small_clusters
 (imported from it, so the two cannot drift apart): planner and brute force on the same 50 seeded random clusters.
 """
+
 from __future__ import annotations
 
 import math
@@ -22,10 +23,11 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
 from reproduce_paper import workload  # noqa: E402
 from test_schedule import SMALL_MODEL, WL, random_cluster  # noqa: E402
+
+import cost_model as cm  # noqa: E402
+import schedule as sc  # noqa: E402
 
 LIMITS = {24: 1.0, 56: 6.0, 512: 60.0}
 EXHAUSTIVE_SEEDS, EXHAUSTIVE_LIMIT = 50, 90.0
@@ -44,7 +46,9 @@ def main() -> None:
     wl = workload()
     clusters = [cm.load_cluster(ROOT / f"exp/clusters/hetero_{n}.yaml") for n in (24, 32, 40, 56)]
     clusters.append(big_cluster(16, 48))
-    print(f"{'GPUs':>5} {'solve s':>8} {'limit':>6} {'paper':>8} {'iters':>6} {'evals':>6} {'MILPs':>6} {'tokens/s':>9}  plan")
+    print(
+        f"{'GPUs':>5} {'solve s':>8} {'limit':>6} {'paper':>8} {'iters':>6} {'evals':>6} {'MILPs':>6} {'tokens/s':>9}  plan"
+    )
     for c in clusters:
         p = sc.Planner(c, model, wl)
         t0 = time.perf_counter()
@@ -56,9 +60,11 @@ def main() -> None:
             roles[m.gpu_type] = roles.get(m.gpu_type, 0) + k
         limit = f"{LIMITS[n]:.0f} s" if n in LIMITS else ""
         ok = "" if n not in LIMITS else (" ok" if secs <= LIMITS[n] else " SLOW")
-        print(f"{n:>5} {secs:>8.2f} {limit:>6} {PAPER.get(n, ''):>8} {p.stats.iterations:>6} {p.stats.evaluations:>6} "
-              f"{p.stats.milp_solves:>6} {ev.tokens_per_s:>9.0f}  train {roles}, dp{ev.train.dp} tp{ev.train.tp} "
-              f"pp{ev.train.pp}{ok}")
+        print(
+            f"{n:>5} {secs:>8.2f} {limit:>6} {PAPER.get(n, ''):>8} {p.stats.iterations:>6} {p.stats.evaluations:>6} "
+            f"{p.stats.milp_solves:>6} {ev.tokens_per_s:>9.0f}  train {roles}, dp{ev.train.dp} tp{ev.train.tp} "
+            f"pp{ev.train.pp}{ok}"
+        )
     bench_vs_exhaustive()
 
 
@@ -78,9 +84,11 @@ def bench_vs_exhaustive() -> None:
         worst = min(worst, (fast.tokens_per_s / brute.tokens_per_s, seed))
     secs = time.perf_counter() - t_all
     ok = "ok" if secs <= EXHAUSTIVE_LIMIT else "SLOW"
-    print(f"\nplanner vs --exhaustive on {EXHAUSTIVE_SEEDS} random clusters (<= 12 GPUs): {secs:.1f} s "
-          f"(limit {EXHAUSTIVE_LIMIT:.0f} s) {ok}; planner {solve_s:.1f} s, exhaustive {brute_s:.1f} s; "
-          f"worst ratio {worst[0]:.4f} (seed {worst[1]})")
+    print(
+        f"\nplanner vs --exhaustive on {EXHAUSTIVE_SEEDS} random clusters (<= 12 GPUs): {secs:.1f} s "
+        f"(limit {EXHAUSTIVE_LIMIT:.0f} s) {ok}; planner {solve_s:.1f} s, exhaustive {brute_s:.1f} s; "
+        f"worst ratio {worst[0]:.4f} (seed {worst[1]})"
+    )
 
 
 if __name__ == "__main__":

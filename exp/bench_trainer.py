@@ -8,6 +8,7 @@ The driver launches one torchrun per layout (nproc = dp*tp*pp) running this same
 `steps` train_steps after one warm-up step and the train head prints one JSON line. Ratio to ideal =
 step time / (1-process step time / number of ranks): 1.0 is perfect scaling.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -24,9 +25,17 @@ sys.path.insert(0, ROOT)
 def bench_model():
     import torch
     from transformers import AutoModelForCausalLM, LlamaConfig
-    cfg = LlamaConfig(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
-                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                      tie_word_embeddings=False)
+
+    cfg = LlamaConfig(
+        vocab_size=8192,
+        hidden_size=512,
+        intermediate_size=1024,
+        num_hidden_layers=8,
+        num_attention_heads=8,
+        num_key_value_heads=4,
+        max_position_embeddings=1024,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg).float()
 
@@ -36,6 +45,7 @@ def balanced_stage_sizes(model, pp: int) -> list[int]:
     each decoder layer, plus the LM head on the last stage; the embedding is a lookup) -- what the planner does
     for stages of one GPU type. An even split would leave the last stage the LM head's extra work."""
     import itertools
+
     layer = sum(p.numel() for p in model.model.layers[0].parameters())
     head = model.lm_head.weight.numel()
     n = model.config.num_hidden_layers
@@ -49,23 +59,36 @@ def balanced_stage_sizes(model, pp: int) -> list[int]:
 
 
 def bench_trajectories(n: int, prompt: int, response: int):
-    import torch
     from types import SimpleNamespace
+
+    import torch
+
     g = torch.Generator().manual_seed(0)
     out = []
     for i in range(n):
-        r = response - int(torch.randint(0, response // 2, (1,), generator=g))   # uneven lengths, like RL rollouts
+        r = response - int(torch.randint(0, response // 2, (1,), generator=g))  # uneven lengths, like RL rollouts
         ids = torch.randint(0, 8192, (prompt + r,), generator=g).tolist()
-        out.append(SimpleNamespace(prompt_id=i, sample_idx=0, prompt_ids=ids[:prompt], response_ids=ids[prompt:],
-                                   behav_logprobs=(-9.0 + 0.1 * torch.randn(r, generator=g)).tolist(),
-                                   versions=[0] * r, reward=0.0, advantage=float(torch.randn((), generator=g))))
+        out.append(
+            SimpleNamespace(
+                prompt_id=i,
+                sample_idx=0,
+                prompt_ids=ids[:prompt],
+                response_ids=ids[prompt:],
+                behav_logprobs=(-9.0 + 0.1 * torch.randn(r, generator=g)).tolist(),
+                versions=[0] * r,
+                reward=0.0,
+                advantage=float(torch.randn((), generator=g)),
+            )
+        )
     return out
 
 
 def worker(args) -> None:
     import torch
     import torch.distributed as dist
-    from parallel.groups import build_groups, make_train_plan
+
+    from parallel.groups import build_groups
+    from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer, TrainerConfig
 
     torch.set_num_threads(1)
@@ -74,12 +97,13 @@ def worker(args) -> None:
     dp, tp, pp = (int(x) for x in dims.split(","))
     model = bench_model()
     sizes = [int(x) for x in split.split("+")] if split else balanced_stage_sizes(model, pp)
-    stage_layers = [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+    stage_layers = [(sum(sizes[:s]), sum(sizes[: s + 1])) for s in range(pp)]
     groups = build_groups(make_train_plan(dp, tp, pp, stage_layers))
-    trainer = Trainer(model, groups, TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens,
-                                                   min_microbatches=1), "cpu")
+    trainer = Trainer(
+        model, groups, TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, min_microbatches=1), "cpu"
+    )
     trajs = bench_trajectories(args.seqs, args.prompt, args.response)
-    metrics = trainer.train_step(trajs)     # warm-up
+    metrics = trainer.train_step(trajs)  # warm-up
     times, cpu = [], []
     for _ in range(args.steps):
         dist.barrier()
@@ -94,12 +118,23 @@ def worker(args) -> None:
     dist.all_reduce(cpu_sum)
     if groups.is_train_head:
         n_params = sum(p.numel() for p in model.parameters())
-        print("BENCH " + json.dumps({"layout": args.layout, "ranks": dp * tp * pp, "params": n_params,
-                                     "stage_layers": "+".join(map(str, sizes)),
-                                     "step_s": min(times), "step_s_all": times,
-                                     "cpu_s_all_ranks": cpu_sum.item(),
-                                     "tokens": metrics["trained_tokens"],
-                                     "microbatches": metrics["num_microbatches"]}), flush=True)
+        print(
+            "BENCH "
+            + json.dumps(
+                {
+                    "layout": args.layout,
+                    "ranks": dp * tp * pp,
+                    "params": n_params,
+                    "stage_layers": "+".join(map(str, sizes)),
+                    "step_s": min(times),
+                    "step_s_all": times,
+                    "cpu_s_all_ranks": cpu_sum.item(),
+                    "tokens": metrics["trained_tokens"],
+                    "microbatches": metrics["num_microbatches"],
+                }
+            ),
+            flush=True,
+        )
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
@@ -116,10 +151,25 @@ def driver(args) -> None:
         n = 1
         for x in layout.partition(":")[0].split(","):
             n *= int(x)
-        cmd = [torchrun, "--standalone", f"--nproc_per_node={n}", os.path.abspath(__file__), "--worker",
-               "--layout", layout, "--steps", str(args.steps), "--seqs", str(args.seqs), "--prompt",
-               str(args.prompt), "--response", str(args.response), "--micro-batch-tokens",
-               str(args.micro_batch_tokens)]
+        cmd = [
+            torchrun,
+            "--standalone",
+            f"--nproc_per_node={n}",
+            os.path.abspath(__file__),
+            "--worker",
+            "--layout",
+            layout,
+            "--steps",
+            str(args.steps),
+            "--seqs",
+            str(args.seqs),
+            "--prompt",
+            str(args.prompt),
+            "--response",
+            str(args.response),
+            "--micro-batch-tokens",
+            str(args.micro_batch_tokens),
+        ]
         out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
         line = [l for l in out.stdout.splitlines() if l.startswith("BENCH ")]
         if not line:
@@ -130,14 +180,18 @@ def driver(args) -> None:
             rows[layout] = row
     rows = list(rows.values())
     base = next(r["step_s"] for r in rows if r["ranks"] == 1)
-    print(f"\nparams {rows[0]['params'] / 1e6:.1f}M, {rows[0]['tokens']:.0f} trained tokens/step\n"
-          f"| layout dp,tp,pp (layers per stage) | ranks | step s | ideal s | ratio to ideal | CPU s (all ranks) | CPU ratio |\n"
-          f"|---|---|---|---|---|---|---|")
+    print(
+        f"\nparams {rows[0]['params'] / 1e6:.1f}M, {rows[0]['tokens']:.0f} trained tokens/step\n"
+        f"| layout dp,tp,pp (layers per stage) | ranks | step s | ideal s | ratio to ideal | CPU s (all ranks) | CPU ratio |\n"
+        f"|---|---|---|---|---|---|---|"
+    )
     base_cpu = next(r["cpu_s_all_ranks"] for r in rows if r["ranks"] == 1)
     for r in rows:
         ideal = base / r["ranks"]
-        print(f"| {r['layout']} ({r['stage_layers']}) | {r['ranks']} | {r['step_s']:.2f} | {ideal:.2f} | {r['step_s'] / ideal:.2f} "
-              f"| {r['cpu_s_all_ranks']:.2f} | {r['cpu_s_all_ranks'] / base_cpu:.2f} |")
+        print(
+            f"| {r['layout']} ({r['stage_layers']}) | {r['ranks']} | {r['step_s']:.2f} | {ideal:.2f} | {r['step_s'] / ideal:.2f} "
+            f"| {r['cpu_s_all_ranks']:.2f} | {r['cpu_s_all_ranks'] / base_cpu:.2f} |"
+        )
 
 
 if __name__ == "__main__":

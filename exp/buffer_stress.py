@@ -13,6 +13,7 @@ Checked after every operation: no exception, every trained token produced at >= 
 batch is ready, something is in flight or admission has capacity), and at the end every group consumed
 exactly once and every admitted group accounted for.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -34,13 +35,21 @@ class StressFailure(AssertionError):
     """An invariant of the buffer broke in a stress run."""
 
 
-def run_once(B: int, eta: int, order: str, seed: int, drops: bool, steps: int = 12, ranks: int = 3,
-             consume_order: str = "deadline") -> dict:
+def run_once(
+    B: int,
+    eta: int,
+    order: str,
+    seed: int,
+    drops: bool,
+    steps: int = 12,
+    ranks: int = 3,
+    consume_order: str = "deadline",
+) -> dict:
     """One run of `steps` batches; raises StressFailure naming the broken invariant. Returns its counts."""
     rng = random.Random(seed)
     buf = StalenessBuffer(B, eta, consume_order=consume_order)
-    finish_at: dict[int, float] = {}            # group -> tick it finishes (long-tail)
-    produced_from: dict[int, int] = {}          # group -> weights version its tokens start at
+    finish_at: dict[int, float] = {}  # group -> tick it finishes (long-tail)
+    produced_from: dict[int, int] = {}  # group -> weights version its tokens start at
     consumed: list[int] = []
     live_ranks = list(range(ranks))
     next_rank = ranks
@@ -50,7 +59,7 @@ def run_once(B: int, eta: int, order: str, seed: int, drops: bool, steps: int = 
         tick += 1
         if tick > 100 * steps * (eta + 2) * 8:
             raise StressFailure(f"no progress after {tick} ticks at version {buf.version}")
-        if buf.weights_version != buf.version and rng.random() < 0.7:   # weights arrive after a while
+        if buf.weights_version != buf.version and rng.random() < 0.7:  # weights arrive after a while
             buf.weights_sent(buf.version)
         for _ in range(min(buf.capacity(), rng.randint(1, 2 * B))):
             t = buf.admit(prompt_id=rng.randrange(1000), rank=rng.choice(live_ranks))
@@ -60,19 +69,20 @@ def run_once(B: int, eta: int, order: str, seed: int, drops: bool, steps: int = 
             lost = rng.choice(live_ranks)
             buf.requeue_rank(lost)
             live_ranks.remove(lost)
-            live_ranks.append(next_rank)        # the launcher's replacement (or the remaining ranks) carry on
+            live_ranks.append(next_rank)  # the launcher's replacement (or the remaining ranks) carry on
             next_rank += 1
         flying = sorted(buf.in_flight)
         if order == "long-tail":
             done = [g for g in flying if finish_at[g] <= tick]
         elif order == "reverse":
-            done = flying[::-1][:rng.randint(1, max(1, B // 2))]
+            done = flying[::-1][: rng.randint(1, max(1, B // 2))]
         else:
             done = rng.sample(flying, min(len(flying), rng.randint(1, max(1, B // 2))))
         for g in done:
-            versions = list(range(produced_from[g], buf.weights_version + 1))   # interruptible rollout
-            buf.complete(g, [Trajectory(0, 0, [1], [2] * len(versions), [0.0] * len(versions), versions, 0.0,
-                                        group_id=g)])
+            versions = list(range(produced_from[g], buf.weights_version + 1))  # interruptible rollout
+            buf.complete(
+                g, [Trajectory(0, 0, [1], [2] * len(versions), [0.0] * len(versions), versions, 0.0, group_id=g)]
+            )
         while buf.ready():
             v = buf.version
             batch = buf.take()
@@ -82,15 +92,19 @@ def run_once(B: int, eta: int, order: str, seed: int, drops: bool, steps: int = 
                 oldest = min(min(t.versions) for t in trajs)
                 max_staleness_seen = max(max_staleness_seen, v - oldest)
                 if consume_order != "completion" and v - oldest > eta:
-                    raise StressFailure(f"group {ticket.group_id} trained at v={v} has a token of version "
-                                        f"{oldest}: older than v - eta = {v - eta}")
+                    raise StressFailure(
+                        f"group {ticket.group_id} trained at v={v} has a token of version "
+                        f"{oldest}: older than v - eta = {v - eta}"
+                    )
                 consumed.append(ticket.group_id)
         if not buf.ready() and not buf.in_flight:
             # nothing will complete: admission must be able to go on once the current weights are sent
             outstanding = len(buf.completed)
             if outstanding >= B or (buf.version + eta + 1) * B - buf.num_admitted <= 0:
-                raise StressFailure(f"deadlock at v={buf.version}: {outstanding} completed, none in flight, "
-                                    f"no batch ready and no capacity")
+                raise StressFailure(
+                    f"deadlock at v={buf.version}: {outstanding} completed, none in flight, "
+                    f"no batch ready and no capacity"
+                )
     if len(consumed) != len(set(consumed)):
         raise StressFailure("a group was consumed twice")
     if buf.num_admitted != len(buf.in_flight) + len(buf.completed) + len(consumed):
@@ -110,10 +124,11 @@ def sweep(seeds: int, consume_order: str = "deadline", steps: int = 12) -> dict:
                 for seed in range(seeds):
                     runs += 1
                     try:
-                        res = run_once(B, eta, order, seed, drops=seed % 2 == 1, steps=steps,
-                                       consume_order=consume_order)
+                        res = run_once(
+                            B, eta, order, seed, drops=seed % 2 == 1, steps=steps, consume_order=consume_order
+                        )
                         worst = max(worst, res["max_staleness"] - eta)
-                    except Exception as e:          # every failure is reported, not only the first
+                    except Exception as e:  # every failure is reported, not only the first
                         failures += 1
                         print(f"FAIL B={B} eta={eta} order={order} seed={seed}: {type(e).__name__}: {e}")
     return {"runs": runs, "failures": failures, "max_excess_staleness": worst}
@@ -127,8 +142,10 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     t0 = time.monotonic()
     res = sweep(a.seeds, a.consume_order, a.steps)
-    print(f"{res['runs']} runs ({a.consume_order}), {res['failures']} failed, "
-          f"max staleness beyond eta: {res['max_excess_staleness']}, {time.monotonic() - t0:.1f}s")
+    print(
+        f"{res['runs']} runs ({a.consume_order}), {res['failures']} failed, "
+        f"max staleness beyond eta: {res['max_excess_staleness']}, {time.monotonic() - t0:.1f}s"
+    )
     return 1 if res["failures"] else 0
 
 

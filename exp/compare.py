@@ -16,6 +16,7 @@ Table columns (steps after the first `--warmup` are the steady state; step 1 als
   roll/train idle  idle fractions at the end of the run    sync s             mean weight sync seconds per step
 With --group-by, runs are grouped by that config key; "× first" is tok/s relative to the first group.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,10 +37,10 @@ class CompareError(ValueError):
 @dataclass
 class Run:
     name: str
-    config: dict                                  # nested, as in config.yaml
-    steps: list[dict]                             # step records, in step order
-    evals: list[dict]                             # {"step", "time", "eval_accuracy", ...}
-    staleness: list[int] | None = None            # per consumed trajectory: trainer version - oldest token version
+    config: dict  # nested, as in config.yaml
+    steps: list[dict]  # step records, in step order
+    evals: list[dict]  # {"step", "time", "eval_accuracy", ...}
+    staleness: list[int] | None = None  # per consumed trajectory: trainer version - oldest token version
     source: str = ""
     summary: dict = field(default_factory=dict)
 
@@ -48,7 +49,9 @@ class Run:
 def split_records(records: list[dict]) -> tuple[list[dict], list[dict]]:
     """Step records have "loss", eval records "eval_accuracy" (a W&B history row may have both)."""
     steps = sorted((r for r in records if r.get("loss") is not None), key=lambda r: r["step"])
-    evals = sorted((r for r in records if r.get("eval_accuracy") is not None), key=lambda r: (r["step"], r.get("time", 0)))
+    evals = sorted(
+        (r for r in records if r.get("eval_accuracy") is not None), key=lambda r: (r["step"], r.get("time", 0))
+    )
     return steps, evals
 
 
@@ -108,6 +111,7 @@ def load_wandb_runs(path: str, filters: dict | None = None, api=None) -> list[Ru
     """Runs of an `entity/project` through W&B's public API (`api` is injectable for tests)."""
     if api is None:
         import wandb
+
         api = wandb.Api()
     runs = []
     for wr in api.runs(path, filters=filters or {}):
@@ -162,8 +166,9 @@ def summarize(run: Run, warmup: int = 1) -> dict:
         "final_acc": accs[-1] if accs else nan,
         "best_acc": max(accs) if accs else nan,
         "tokens_per_s": _ratio(sum(r.get("trained_tokens", 0.0) for r in steady), total_s),
-        "gen_tokens_per_s": _ratio(sum(r.get("generated_tokens_per_s", 0.0) * r.get("step_s", 0.0) for r in steady),
-                                   total_s),
+        "gen_tokens_per_s": _ratio(
+            sum(r.get("generated_tokens_per_s", 0.0) * r.get("step_s", 0.0) for r in steady), total_s
+        ),
         "step_s": _ratio(total_s, len(steady)),
         "staleness_mean": _ratio(sum(r.get("staleness_mean", 0.0) for r in run.steps), len(run.steps)),
         "staleness_max": max((r.get("staleness_max", 0) for r in run.steps), default=nan),
@@ -176,11 +181,20 @@ def summarize(run: Run, warmup: int = 1) -> dict:
     return s
 
 
-COLUMNS = [("steps", "steps", "{:d}"), ("final_acc", "final acc", "{:.3f}"), ("best_acc", "best acc", "{:.3f}"),
-           ("tokens_per_s", "tok/s", "{:.1f}"), ("gen_tokens_per_s", "gen tok/s", "{:.1f}"),
-           ("step_s", "step s", "{:.3f}"), ("staleness_mean", "stale mean", "{:.2f}"),
-           ("staleness_max", "stale max", "{:d}"), ("rollout_idle", "roll idle", "{:.2f}"),
-           ("trainer_idle", "train idle", "{:.2f}"), ("sync_s", "sync s", "{:.4f}"), ("wall_s", "wall s", "{:.1f}")]
+COLUMNS = [
+    ("steps", "steps", "{:d}"),
+    ("final_acc", "final acc", "{:.3f}"),
+    ("best_acc", "best acc", "{:.3f}"),
+    ("tokens_per_s", "tok/s", "{:.1f}"),
+    ("gen_tokens_per_s", "gen tok/s", "{:.1f}"),
+    ("step_s", "step s", "{:.3f}"),
+    ("staleness_mean", "stale mean", "{:.2f}"),
+    ("staleness_max", "stale max", "{:d}"),
+    ("rollout_idle", "roll idle", "{:.2f}"),
+    ("trainer_idle", "train idle", "{:.2f}"),
+    ("sync_s", "sync s", "{:.4f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+]
 
 
 def _fmt(value, spec: str) -> str:
@@ -227,20 +241,28 @@ def group_means(runs: list[Run]) -> dict:
 
 def format_table(runs: list[Run], group_by: str | None = None) -> str:
     groups = group_runs(runs, group_by)
-    head = ["run"] + ([group_by, "n"] if group_by else []) + [h for _, h, _ in COLUMNS] + (["x first"] if group_by else [])
+    head = (
+        ["run"] + ([group_by, "n"] if group_by else []) + [h for _, h, _ in COLUMNS] + (["x first"] if group_by else [])
+    )
     rows = []
     if group_by:
         base = None
         for value, members in groups.items():
             m = group_means(members)
             base = m["tokens_per_s"] if base is None else base
-            rows.append([",".join(r.name for r in members), str(value), str(len(members))]
-                        + [_fmt(m[c], spec) for c, _, spec in COLUMNS] + [_fmt(_ratio(m["tokens_per_s"], base), "{:.2f}")])
+            rows.append(
+                [",".join(r.name for r in members), str(value), str(len(members))]
+                + [_fmt(m[c], spec) for c, _, spec in COLUMNS]
+                + [_fmt(_ratio(m["tokens_per_s"], base), "{:.2f}")]
+            )
     else:
         for r in runs:
             rows.append([r.name] + [_fmt(r.summary[c], spec) for c, _, spec in COLUMNS])
     widths = [max(len(h), *(len(row[i]) for row in rows)) for i, h in enumerate(head)]
-    line = lambda cells: "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
+    def line(cells: list[str]) -> str:
+        return "| " + " | ".join(c.rjust(w) if i else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths))) + " |"
+
     sep = "|" + "|".join("-" * (w + 2) for w in widths) + "|"
     return "\n".join([line(head), sep] + [line(r) for r in rows])
 
@@ -252,6 +274,7 @@ def _label(run: Run, group_by: str | None) -> str:
 
 def make_plots(runs: list[Run], out_dir: Path, group_by: str | None = None) -> list[Path]:
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -268,18 +291,35 @@ def make_plots(runs: list[Run], out_dir: Path, group_by: str | None = None) -> l
         written.append(path)
 
     # reward and eval accuracy, against wall time and against optimizer step
-    for xkey, xlabel, name in [("time", "wall time since run start (s)", "reward_vs_time.png"),
-                               ("step", "optimizer step", "reward_vs_step.png")]:
+    for xkey, xlabel, name in [
+        ("time", "wall time since run start (s)", "reward_vs_time.png"),
+        ("step", "optimizer step", "reward_vs_step.png"),
+    ]:
         fig, (ax_r, ax_a) = plt.subplots(1, 2, figsize=(12, 4.5))
         for r in ordered:
             c, lab = colors[r.name], _label(r, group_by)
-            ax_r.plot([s.get(xkey, math.nan) for s in r.steps], [s.get("reward_mean", math.nan) for s in r.steps],
-                      "-", color=c, label=lab)
-            ax_a.plot([e.get(xkey, math.nan) for e in r.evals], [e["eval_accuracy"] for e in r.evals],
-                      "o-", color=c, label=lab)
-        ax_r.set(xlabel=xlabel, ylabel="mean reward of trained samples", title=f"Training reward vs {xlabel.split(' (')[0]}")
-        ax_a.set(xlabel=xlabel, ylabel="greedy held-out accuracy (fraction)",
-                 title=f"Eval accuracy vs {xlabel.split(' (')[0]}")
+            ax_r.plot(
+                [s.get(xkey, math.nan) for s in r.steps],
+                [s.get("reward_mean", math.nan) for s in r.steps],
+                "-",
+                color=c,
+                label=lab,
+            )
+            ax_a.plot(
+                [e.get(xkey, math.nan) for e in r.evals],
+                [e["eval_accuracy"] for e in r.evals],
+                "o-",
+                color=c,
+                label=lab,
+            )
+        ax_r.set(
+            xlabel=xlabel, ylabel="mean reward of trained samples", title=f"Training reward vs {xlabel.split(' (')[0]}"
+        )
+        ax_a.set(
+            xlabel=xlabel,
+            ylabel="greedy held-out accuracy (fraction)",
+            title=f"Eval accuracy vs {xlabel.split(' (')[0]}",
+        )
         for ax in (ax_r, ax_a):
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
@@ -288,14 +328,23 @@ def make_plots(runs: list[Run], out_dir: Path, group_by: str | None = None) -> l
     # throughput: per step, and the steady-state summary
     fig, (ax_s, ax_b) = plt.subplots(1, 2, figsize=(12, 4.5))
     for r in ordered:
-        ax_s.plot([s["step"] for s in r.steps], [s.get("trained_tokens_per_s", math.nan) for s in r.steps],
-                  "-", color=colors[r.name], label=_label(r, group_by))
+        ax_s.plot(
+            [s["step"] for s in r.steps],
+            [s.get("trained_tokens_per_s", math.nan) for s in r.steps],
+            "-",
+            color=colors[r.name],
+            label=_label(r, group_by),
+        )
     ax_s.set(xlabel="optimizer step", ylabel="trained tokens/s", title="Training throughput per step")
     ax_s.grid(alpha=0.3)
     ax_s.legend(fontsize=7)
     names = [_label(r, group_by) for r in ordered]
-    ax_b.bar(range(len(ordered)), [r.summary["tokens_per_s"] for r in ordered],
-             color=[colors[r.name] for r in ordered], label="trained")
+    ax_b.bar(
+        range(len(ordered)),
+        [r.summary["tokens_per_s"] for r in ordered],
+        color=[colors[r.name] for r in ordered],
+        label="trained",
+    )
     ax_b.plot(range(len(ordered)), [r.summary["gen_tokens_per_s"] for r in ordered], "kD", label="generated")
     ax_b.set_xticks(range(len(ordered)), names, rotation=30, ha="right", fontsize=7)
     ax_b.set(ylabel="tokens/s (steady state)", title="Steady-state throughput per run")
@@ -313,11 +362,19 @@ def make_plots(runs: list[Run], out_dir: Path, group_by: str | None = None) -> l
         xs = sorted(counts)
         seen.update(xs)
         src = "" if r.staleness is not None else " [per-step max]"
-        ax.bar([x + (i - (len(ordered) - 1) / 2) * width for x in xs], [counts[x] / total for x in xs], width,
-               color=colors[r.name], label=_label(r, group_by) + src)
+        ax.bar(
+            [x + (i - (len(ordered) - 1) / 2) * width for x in xs],
+            [counts[x] / total for x in xs],
+            width,
+            color=colors[r.name],
+            label=_label(r, group_by) + src,
+        )
     ax.set_xticks(sorted(seen))
-    ax.set(xlabel="staleness: trainer version - oldest token version (versions)",
-           ylabel="fraction of trained trajectories", title="Staleness distribution")
+    ax.set(
+        xlabel="staleness: trainer version - oldest token version (versions)",
+        ylabel="fraction of trained trajectories",
+        title="Staleness distribution",
+    )
     ax.grid(alpha=0.3, axis="y")
     ax.legend(fontsize=7)
     save(fig, "staleness.png")
@@ -332,8 +389,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--filter", default="", help="W&B filter as JSON (MongoDB-style, as wandb.Api().runs takes)")
     ap.add_argument("--group-by", default=None, help="config key, e.g. staleness.max_staleness")
     ap.add_argument("--warmup", type=int, default=1, help="leading steps left out of throughput and step time")
-    ap.add_argument("--out", default=None, help="directory for the PNGs and summary.json "
-                                                "(default: <sweep>/compare for one sweep dir, else runs/compare)")
+    ap.add_argument(
+        "--out",
+        default=None,
+        help="directory for the PNGs and summary.json (default: <sweep>/compare for one sweep dir, else runs/compare)",
+    )
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
     try:
@@ -357,10 +417,19 @@ def main(argv: list[str] | None = None) -> int:
         single_sweep = len(a.paths) == 1 and not (Path(a.paths[0]) / "metrics.jsonl").is_file()
         out = Path(a.out) if a.out else (Path(a.paths[0]) / "compare" if single_sweep else Path("runs/compare"))
         out.mkdir(parents=True, exist_ok=True)
-        (out / "summary.json").write_text(json.dumps(
-            {r.name: {"source": r.source, "group": config_value(r.config, a.group_by) if a.group_by else None,
-                      **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.summary.items()}}
-             for r in runs}, indent=1))
+        (out / "summary.json").write_text(
+            json.dumps(
+                {
+                    r.name: {
+                        "source": r.source,
+                        "group": config_value(r.config, a.group_by) if a.group_by else None,
+                        **{k: (None if isinstance(v, float) and math.isnan(v) else v) for k, v in r.summary.items()},
+                    }
+                    for r in runs
+                },
+                indent=1,
+            )
+        )
         (out / "table.md").write_text(table + "\n")
         if not a.no_plots:
             for p in make_plots(runs, out, a.group_by):

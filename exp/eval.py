@@ -6,6 +6,7 @@
 Greedy pass@1 plus k samples at --temperature per problem (unbiased pass@k, avg@k), written to JSON
 (and to W&B when --wandb is offline|online).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,7 +47,7 @@ def main() -> None:
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=dtype).to(device).eval()
     cfg = load_config([f"data.task={args.task}", f"data.num_test={args.n}"])
     train, test = load_task(cfg.data, tok)
-    rows = (test if args.split == "test" else train)[:args.n]
+    rows = (test if args.split == "test" else train)[: args.n]
     prompts = [tok(r["prompt"])["input_ids"] for r in rows]
     gen = Generator(model, max_batch_size=args.batch, max_seq_len=max(map(len, prompts)) + args.max_new_tokens + 1)
     stop = [tok.eos_token_id]
@@ -56,24 +57,41 @@ def main() -> None:
 
     greedy, per_problem = [], []
     for i in tqdm(range(0, len(rows), args.batch), desc="eval", unit="batch"):
-        chunk, ps = rows[i:i + args.batch], prompts[i:i + args.batch]
-        greedy += correct(gen.generate(ps, SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens,
-                                                          stop_token_ids=stop)), chunk)
-        params = [SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
-                                 stop_token_ids=stop, seed=args.seed * 1_000_003 + (i + j) * args.k + s)
-                  for j in range(len(chunk)) for s in range(args.k)]
+        chunk, ps = rows[i : i + args.batch], prompts[i : i + args.batch]
+        greedy += correct(
+            gen.generate(ps, SamplingParams(temperature=0.0, max_new_tokens=args.max_new_tokens, stop_token_ids=stop)),
+            chunk,
+        )
+        params = [
+            SamplingParams(
+                temperature=args.temperature,
+                max_new_tokens=args.max_new_tokens,
+                stop_token_ids=stop,
+                seed=args.seed * 1_000_003 + (i + j) * args.k + s,
+            )
+            for j in range(len(chunk))
+            for s in range(args.k)
+        ]
         outs = gen.generate([p for p in ps for _ in range(args.k)], params)
         hits = correct(outs, [r for r in chunk for _ in range(args.k)])
-        per_problem += [hits[j * args.k:(j + 1) * args.k] for j in range(len(chunk))]
-    result = {"model": args.model, "task": args.task, "split": args.split, "n": len(rows), "k": args.k,
-              "temperature": args.temperature, "pass@1_greedy": sum(greedy) / len(rows),
-              f"avg@{args.k}": sum(avg_at_k([float(h) for h in hs], args.k) for hs in per_problem) / len(rows),
-              f"pass@{args.k}": sum(pass_at_k(args.k, sum(hs), args.k) for hs in per_problem) / len(rows)}
+        per_problem += [hits[j * args.k : (j + 1) * args.k] for j in range(len(chunk))]
+    result = {
+        "model": args.model,
+        "task": args.task,
+        "split": args.split,
+        "n": len(rows),
+        "k": args.k,
+        "temperature": args.temperature,
+        "pass@1_greedy": sum(greedy) / len(rows),
+        f"avg@{args.k}": sum(avg_at_k([float(h) for h in hs], args.k) for hs in per_problem) / len(rows),
+        f"pass@{args.k}": sum(pass_at_k(args.k, sum(hs), args.k) for hs in per_problem) / len(rows),
+    }
     print(json.dumps(result, indent=1))
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     if args.wandb != "disabled":
         import wandb
+
         run = wandb.init(project="hexrl-eval", mode=args.wandb, config=vars(args))
         run.log(result)
         run.finish()

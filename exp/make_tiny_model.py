@@ -18,6 +18,7 @@ Reproducible (fixed seeds and step counts). Steps:
    AutoTokenizer, and record greedy accuracy, pass@8 and sample accuracy in warm_start.json.
 `sft()`, `greedy_accuracy()` and `pass_at_k()` are reused by exp/sft_baseline.py.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,14 +43,17 @@ EOS = "<|endoftext|>"
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     # Digits become single tokens so numbers are spelled digit by digit (arithmetic generalises).
-    tok.pre_tokenizer = pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                 pre_tokenizers.ByteLevel(add_prefix_space=False)])
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOS],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=[EOS], initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+    )
     tok.train_from_iterator(texts, trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=None,
-                                   padding_side="left", model_max_length=256)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token=EOS, pad_token=EOS, bos_token=None, padding_side="left", model_max_length=256
+    )
 
 
 def encode_example(tok, question: str, solution: str) -> tuple[list[int], int]:
@@ -58,10 +62,23 @@ def encode_example(tok, question: str, solution: str) -> tuple[list[int], int]:
     return full, len(prompt)
 
 
-def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds: float | None = None,
-        batch_size: int = 64, lr: float = 2e-3, mistake_rate: float = 0.6, mistakes: str = "systematic", seed: int = 0,
-        warmup: int = 30, log_every: int = 50, opt: torch.optim.Optimizer | None = None,
-        constant_lr: bool = False) -> int:
+def sft(
+    model,
+    tok,
+    train_rows: list[dict],
+    *,
+    steps: int | None = None,
+    seconds: float | None = None,
+    batch_size: int = 64,
+    lr: float = 2e-3,
+    mistake_rate: float = 0.6,
+    mistakes: str = "systematic",
+    seed: int = 0,
+    warmup: int = 30,
+    log_every: int = 50,
+    opt: torch.optim.Optimizer | None = None,
+    constant_lr: bool = False,
+) -> int:
     """Supervised training on worked solutions (a fresh mistake draw per example per step).
     Stops after `steps` optimizer steps or `seconds` of wall time. Returns the number of steps done.
     Warm-up then cosine decay to 10% of `lr`, or a constant `lr` (the baseline continues at the end LR)."""
@@ -73,17 +90,22 @@ def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds
     start, step = time.time(), 0
     while step < total and (seconds is None or time.time() - start < seconds):
         batch = [train_rows[rng.randrange(len(train_rows))] for _ in range(batch_size)]
-        seqs = [encode_example(tok, r["question"], worked_solution(problem_from_row(r), rng, mistake_rate, mistakes))
-                for r in batch]
+        seqs = [
+            encode_example(tok, r["question"], worked_solution(problem_from_row(r), rng, mistake_rate, mistakes))
+            for r in batch
+        ]
         width = max(len(s) for s, _ in seqs)
         ids = torch.full((batch_size, width), tok.pad_token_id)
         labels = torch.full((batch_size, width), -100)
         for i, (s, plen) in enumerate(seqs):
-            ids[i, :len(s)] = torch.tensor(s)
-            labels[i, plen:len(s)] = torch.tensor(s[plen:])       # loss on the answer only
+            ids[i, : len(s)] = torch.tensor(s)
+            labels[i, plen : len(s)] = torch.tensor(s[plen:])  # loss on the answer only
         frac = step / max(1, total) if steps else (time.time() - start) / seconds
-        scale = 1.0 if constant_lr else \
-            min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        scale = (
+            1.0
+            if constant_lr
+            else min(1.0, (step + 1) / warmup) * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(frac, 1.0))))
+        )
         for g in opt.param_groups:
             g["lr"] = lr * scale
         loss = model(input_ids=ids, labels=labels).loss
@@ -102,14 +124,20 @@ def sft(model, tok, train_rows: list[dict], *, steps: int | None = None, seconds
 def greedy_accuracy(model, tok, rows: list[dict], batch_size: int = 128, max_new_tokens: int = 40) -> float:
     """Held-out greedy accuracy with HF generate (independent of our generator, on purpose)."""
     from reward_math import score
+
     model.eval()
     correct = 0
     for i in range(0, len(rows), batch_size):
-        chunk = rows[i:i + batch_size]
+        chunk = rows[i : i + batch_size]
         enc = tok([format_prompt(r["question"]) for r in chunk], return_tensors="pt", padding=True)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         correct += sum(score(t, r["answer"]) for t, r in zip(texts, chunk))
     return correct / len(rows)
 
@@ -119,17 +147,26 @@ def pass_at_k(model, tok, rows: list[dict], k: int = 8, max_new_tokens: int = 40
     """(pass@k, mean per-sample accuracy) with temperature-1 sampling: how capable the model is
     beyond its greedy answer."""
     from reward_math import score
+
     torch.manual_seed(seed)
     hits, samples = 0, 0.0
     for i in range(0, len(rows), 32):
-        chunk = rows[i:i + 32]
+        chunk = rows[i : i + 32]
         enc = tok([format_prompt(r["question"]) for r in chunk], return_tensors="pt", padding=True)
-        out = model.generate(**enc, max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0, top_k=0,
-                             top_p=1.0, num_return_sequences=k, pad_token_id=tok.pad_token_id,
-                             eos_token_id=tok.eos_token_id)
-        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+        out = model.generate(
+            **enc,
+            max_new_tokens=max_new_tokens,
+            do_sample=True,
+            temperature=1.0,
+            top_k=0,
+            top_p=1.0,
+            num_return_sequences=k,
+            pad_token_id=tok.pad_token_id,
+            eos_token_id=tok.eos_token_id,
+        )
+        texts = tok.batch_decode(out[:, enc["input_ids"].shape[1] :], skip_special_tokens=True)
         for j, r in enumerate(chunk):
-            right = [score(t, r["answer"]) for t in texts[j * k:(j + 1) * k]]
+            right = [score(t, r["answer"]) for t in texts[j * k : (j + 1) * k]]
             hits += max(right)
             samples += sum(right) / k
     return hits / len(rows), samples / len(rows)
@@ -160,51 +197,94 @@ def main() -> None:
         model = AutoModelForCausalLM.from_pretrained(args.from_stage1, dtype=torch.float32)
     else:
         rng = random.Random(args.seed)
-        corpus = [format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5, "random")
-                  for r in train_rows]
+        corpus = [
+            format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5, "random") for r in train_rows
+        ]
         tok = train_tokenizer(corpus, args.vocab_size)
-        config = LlamaConfig(vocab_size=len(tok), hidden_size=args.hidden,
-                             intermediate_size=args.hidden * 8 // 3 // 8 * 8, num_hidden_layers=args.layers,
-                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=256,
-                             rope_theta=10000.0, tie_word_embeddings=False, bos_token_id=None,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id)
+        config = LlamaConfig(
+            vocab_size=len(tok),
+            hidden_size=args.hidden,
+            intermediate_size=args.hidden * 8 // 3 // 8 * 8,
+            num_hidden_layers=args.layers,
+            num_attention_heads=8,
+            num_key_value_heads=4,
+            max_position_embeddings=256,
+            rope_theta=10000.0,
+            tie_word_embeddings=False,
+            bos_token_id=None,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         model = LlamaForCausalLM(config)
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {len(tok)}")
         # Stage 1: learn the format and the arithmetic (random slips keep it from being too sure).
         sft(model, tok, train_rows, steps=args.basic_steps, mistake_rate=0.5, mistakes="random", seed=args.seed)
-        model.to(torch.float16).to(torch.float32)     # what a saved stage-1 checkpoint would hold
+        model.to(torch.float16).to(torch.float32)  # what a saved stage-1 checkpoint would hold
     stage1_seconds = time.time() - t0
     # Stage 1b: correct solutions only, so the arithmetic itself is reliable (capable).
     t1 = time.time()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01)
     for chunk in range(args.capable_steps // 100):
-        sft(model, tok, train_rows, steps=100, lr=1e-3, mistake_rate=0.0, mistakes="random", seed=100 + chunk,
-            opt=opt, constant_lr=True)
+        sft(
+            model,
+            tok,
+            train_rows,
+            steps=100,
+            lr=1e-3,
+            mistake_rate=0.0,
+            mistakes="random",
+            seed=100 + chunk,
+            opt=opt,
+            constant_lr=True,
+        )
     model.to(torch.float16).to(torch.float32)
     stage1b_seconds = time.time() - t1
     # Stage 2: systematic habits — subtraction done as addition, forgotten carries — at rate 0.6:
     # for those problems the most likely answer is wrong, while right answers keep a large share.
     t1 = time.time()
-    sft(model, tok, train_rows, steps=args.habit_steps, lr=1e-3, warmup=10, mistake_rate=args.mistake_rate,
-        mistakes="systematic", seed=args.seed + 1)
+    sft(
+        model,
+        tok,
+        train_rows,
+        steps=args.habit_steps,
+        lr=1e-3,
+        warmup=10,
+        mistake_rate=args.mistake_rate,
+        mistakes="systematic",
+        seed=args.seed + 1,
+    )
     stage2_seconds = time.time() - t1
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    model.to(torch.float16).save_pretrained(out, safe_serialization=True)   # fp16 on disk keeps it < 10 MB
+    model.to(torch.float16).save_pretrained(out, safe_serialization=True)  # fp16 on disk keeps it < 10 MB
     tok.save_pretrained(out)
     # Measure what users get: the saved checkpoint, loaded the standard way, in fp32.
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
     p8, mean_sample = pass_at_k(loaded, tok, test_rows[:200])
-    info = {"params": sum(p.numel() for p in loaded.parameters()), "seed": args.seed,
-            "stage1": {"steps": args.basic_steps, "mistakes": "random", "mistake_rate": 0.5,
-                       "seconds": round(stage1_seconds, 1), "skipped_with": args.from_stage1 or None},
-            "stage1b": {"steps": args.capable_steps // 100 * 100, "mistakes": "none", "lr": 1e-3,
-                        "seconds": round(stage1b_seconds, 1)},
-            "stage2": {"steps": args.habit_steps, "mistakes": "systematic", "seconds": round(stage2_seconds, 1)},
-            "mistakes": "systematic", "mistake_rate": args.mistake_rate,
-            "greedy_acc_test500": greedy_accuracy(loaded, tok, test_rows[:500]),
-            "pass_at_8_test200": p8, "sample_acc_test200": mean_sample}
+    info = {
+        "params": sum(p.numel() for p in loaded.parameters()),
+        "seed": args.seed,
+        "stage1": {
+            "steps": args.basic_steps,
+            "mistakes": "random",
+            "mistake_rate": 0.5,
+            "seconds": round(stage1_seconds, 1),
+            "skipped_with": args.from_stage1 or None,
+        },
+        "stage1b": {
+            "steps": args.capable_steps // 100 * 100,
+            "mistakes": "none",
+            "lr": 1e-3,
+            "seconds": round(stage1b_seconds, 1),
+        },
+        "stage2": {"steps": args.habit_steps, "mistakes": "systematic", "seconds": round(stage2_seconds, 1)},
+        "mistakes": "systematic",
+        "mistake_rate": args.mistake_rate,
+        "greedy_acc_test500": greedy_accuracy(loaded, tok, test_rows[:500]),
+        "pass_at_8_test200": p8,
+        "sample_acc_test200": mean_sample,
+    }
     (out / "warm_start.json").write_text(json.dumps(info, indent=2) + "\n")
     size = sum(f.stat().st_size for f in out.iterdir()) / 1e6
     print(json.dumps(info), f"size {size:.1f} MB", flush=True)

@@ -3,6 +3,7 @@ against training wall time.
 
     python exp/plot_demo.py runs/<rl run> runs/sft_baseline.json --out exp/demo_curves.png
 """
+
 from __future__ import annotations
 
 import argparse
@@ -33,8 +34,12 @@ def main() -> None:
     sft = json.loads(Path(args.sft_json).read_text())["curve"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(x_rl, y_rl, "o-", label="hexrl async GRPO (2 rollout + 2 train ranks)")
-    ax.plot([c["train_seconds"] for c in sft], [100 * c["eval_accuracy"] for c in sft], "s--",
-            label="continued SFT on the warm-start data")
+    ax.plot(
+        [c["train_seconds"] for c in sft],
+        [100 * c["eval_accuracy"] for c in sft],
+        "s--",
+        label="continued SFT on the warm-start data",
+    )
     ax.set_xlabel("training wall time (s), 2 CPU cores")
     ax.set_ylabel("held-out greedy accuracy (%), 500 problems")
     ax.set_title("CPU demo: held-out greedy accuracy against training time")

@@ -7,6 +7,7 @@ that RL gets, and measure the same held-out greedy accuracy.
 Same data (the warm start's worked solutions, mistakes included), same 500 held-out problems
 (test split of the default config), evaluated every --eval-every seconds of training.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -21,8 +22,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from config import load_config  # noqa: E402
 from make_tiny_model import greedy_accuracy, sft  # noqa: E402
+
+from config import load_config  # noqa: E402
 from tasks import make_arith_dataset  # noqa: E402
 
 
@@ -31,7 +33,7 @@ def main() -> None:
     ap.add_argument("--model", default="exp/tiny-model")
     ap.add_argument("--seconds", type=float, default=270.0)
     ap.add_argument("--eval-every", type=float, default=60.0)
-    ap.add_argument("--lr", type=float, default=2e-4)   # where the warm start's schedule ended
+    ap.add_argument("--lr", type=float, default=2e-4)  # where the warm start's schedule ended
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--out", default="runs/sft_baseline.json")
     args = ap.parse_args()
@@ -50,11 +52,21 @@ def main() -> None:
     while trained < args.seconds - 1e-6:
         chunk = min(args.eval_every, args.seconds - trained)
         t0 = time.time()
-        step += sft(model, tok, train_rows, seconds=chunk, lr=args.lr, mistake_rate=warm["mistake_rate"], mistakes=warm.get("mistakes", "random"),
-                    seed=warm["seed"] + 1 + len(curve), log_every=10**9, opt=opt, constant_lr=True)
+        step += sft(
+            model,
+            tok,
+            train_rows,
+            seconds=chunk,
+            lr=args.lr,
+            mistake_rate=warm["mistake_rate"],
+            mistakes=warm.get("mistakes", "random"),
+            seed=warm["seed"] + 1 + len(curve),
+            log_every=10**9,
+            opt=opt,
+            constant_lr=True,
+        )
         trained += time.time() - t0
-        curve.append({"train_seconds": trained, "steps": step,
-                      "eval_accuracy": greedy_accuracy(model, tok, test_rows)})
+        curve.append({"train_seconds": trained, "steps": step, "eval_accuracy": greedy_accuracy(model, tok, test_rows)})
         print(curve[-1], flush=True)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

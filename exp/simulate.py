@@ -20,6 +20,7 @@ cost_model.decode_round_s, training and sync times from the plan's predictions):
 Because rounds advance every running sequence by one token, a replica keeps one "progress" clock and each
 sequence its finishing progress, so an event costs O(replicas) and 20 steps of 10^4 requests run in seconds.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -40,15 +41,15 @@ from buffer import CONSUME_ORDERS, StalenessBuffer  # noqa: E402
 @dataclass
 class Replica:
     batch: int
-    round_s: list[float]                 # round_s[n] for n running sequences (index 0 unused)
+    round_s: list[float]  # round_s[n] for n running sequences (index 0 unused)
     prefill_s_per_token: float
-    progress: float = 0.0                # decode rounds done so far
+    progress: float = 0.0  # decode rounds done so far
     paused_until: float = 0.0
-    running: list = field(default_factory=list)   # heap of (finish progress, seq id)
-    waiting: list = field(default_factory=list)   # admitted sequences waiting for a slot, FIFO
+    running: list = field(default_factory=list)  # heap of (finish progress, seq id)
+    waiting: list = field(default_factory=list)  # admitted sequences waiting for a slot, FIFO
     busy_s: float = 0.0
 
-    def rate(self) -> float:             # rounds per second with the current batch
+    def rate(self) -> float:  # rounds per second with the current batch
         return 1.0 / self.round_s[len(self.running)] if self.running else 0.0
 
     def load(self) -> float:
@@ -73,9 +74,15 @@ def _inputs(plan: dict, workload: cm.Workload | dict | None, eta: int | None):
     return cluster, model, wl, cm.Efficiency.from_dict(inp["efficiency"])
 
 
-def build_replicas(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec, wl: cm.Workload, eff: cm.Efficiency,
-                   decode_s_per_token: float | None = None,
-                   prefill_s_per_token: float | None = None) -> list[Replica]:
+def build_replicas(
+    plan: dict,
+    cluster: cm.Cluster,
+    model: cm.ModelSpec,
+    wl: cm.Workload,
+    eff: cm.Efficiency,
+    decode_s_per_token: float | None = None,
+    prefill_s_per_token: float | None = None,
+) -> list[Replica]:
     """Per-replica round-time curves from the cost model; a measured decode time per generated token
     (replica time / tokens at its full batch) rescales each curve to match the measurement, and a measured
     prefill time per prompt/recomputed token replaces the cost model's."""
@@ -83,23 +90,37 @@ def build_replicas(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec, wl: cm.
     for rep in plan["rollout"]["replicas"]:
         gpu, te = cluster.gpu(rep["gpu_type"]), eff.of(rep["gpu_type"])
         link = gpu.intra_gbps
-        curve = [0.0] + [cm.decode_round_s(model, gpu, te, rep["tp"], rep["pp"], n, wl.decode_context, wl.bytes, link)
-                         for n in range(1, rep["batch"] + 1)]
+        curve = [0.0] + [
+            cm.decode_round_s(model, gpu, te, rep["tp"], rep["pp"], n, wl.decode_context, wl.bytes, link)
+            for n in range(1, rep["batch"] + 1)
+        ]
         if decode_s_per_token is not None:
             scale = decode_s_per_token * rep["batch"] / curve[rep["batch"]]
             curve = [c * scale for c in curve]
-        prefill = prefill_s_per_token if prefill_s_per_token is not None else \
-            2 * model.params / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer)
+        prefill = (
+            prefill_s_per_token
+            if prefill_s_per_token is not None
+            else 2 * model.params / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer)
+        )
         out.append(Replica(rep["batch"], curve, prefill))
     if not out:
         raise ValueError("plan has no rollout replicas")
     return out
 
 
-def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int = 20, eta: int | None = None,
-             seed: int = 0, decode_s_per_token: float | None = None, train_s_per_token: float | None = None,
-             sync_s: float | None = None, warmup: int = 2, prefill_s_per_token: float | None = None,
-             consume_order: str = "deadline") -> dict:
+def simulate(
+    plan: dict,
+    workload: cm.Workload | dict | None = None,
+    steps: int = 20,
+    eta: int | None = None,
+    seed: int = 0,
+    decode_s_per_token: float | None = None,
+    train_s_per_token: float | None = None,
+    sync_s: float | None = None,
+    warmup: int = 2,
+    prefill_s_per_token: float | None = None,
+    consume_order: str = "deadline",
+) -> dict:
     """Run `steps` trainer steps; report mean step time, tokens/s, idle fractions and staleness."""
     if steps < warmup + 1:
         raise ValueError(f"steps must exceed warmup ({warmup}), got {steps}")
@@ -107,18 +128,19 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
     rng = random.Random(seed)
     replicas = build_replicas(plan, cluster, model, wl, eff, decode_s_per_token, prefill_s_per_token)
     mean_tokens = wl.prompt_len + wl.gen_mean
-    train_per_token = train_s_per_token if train_s_per_token is not None else \
-        plan["predicted"]["train_s"] / (wl.batch * mean_tokens)
+    train_per_token = (
+        train_s_per_token if train_s_per_token is not None else plan["predicted"]["train_s"] / (wl.batch * mean_tokens)
+    )
     sync = plan["predicted"]["sync_s"] if sync_s is None else sync_s
 
     # the train head's own buffer: admission, deadlines and batches exactly as in a run (units: groups)
     buf = StalenessBuffer(wl.prompts_per_step, wl.eta, consume_order=consume_order)
     buf.weights_sent(0)
     seqs: list[Seq] = []
-    unfinished: dict[int, int] = {}      # group -> its sequences still generating
+    unfinished: dict[int, int] = {}  # group -> its sequences still generating
     group_seqs: dict[int, list[int]] = {}
     now = 0.0
-    train_end = None                     # time the running train step ends
+    train_end = None  # time the running train step ends
     train_busy = 0.0
     trainer_ready_at = 0.0
     step_times, step_tokens, staleness = [], [], []
@@ -131,7 +153,7 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
         # slot queues there (a rollout rank's own queue)
         while buf.capacity() > 0:
             rep = min(replicas, key=lambda r: (r.load(), -r.batch))
-            ticket = buf.admit(prompt_id=0, rank=replicas.index(rep))      # prompts differ only in length draws
+            ticket = buf.admit(prompt_id=0, rank=replicas.index(rep))  # prompts differ only in length draws
             unfinished[ticket.group_id] = wl.samples_per_prompt
             group_seqs[ticket.group_id] = list(range(len(seqs), len(seqs) + wl.samples_per_prompt))
             # the samples of a group share their prompt's K/V: the generator prefills it once
@@ -155,13 +177,13 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
                     nxt, who = t, r
         if nxt == float("inf"):
             raise RuntimeError("simulation stalled: no running sequence and no train step (check eta / batch)")
-        for r in replicas:                                    # advance every replica to `nxt`
+        for r in replicas:  # advance every replica to `nxt`
             start_t = max(now, r.paused_until)
             if r.running and nxt > start_t:
                 r.progress += (nxt - start_t) * r.rate()
                 r.busy_s += nxt - start_t
         now = nxt
-        changed = False                                       # ready() changes only with completions / steps
+        changed = False  # ready() changes only with completions / steps
         if who is not None:
             while who.running and who.running[0][0] <= who.progress + 1e-9:
                 sid = heapq.heappop(who.running)[1]
@@ -176,11 +198,11 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
         elif train_end is not None and now >= train_end:
             train_end = None
             step_times.append(now)
-            for r in replicas:                                # weight sync: pause, interrupt, recompute KV
+            for r in replicas:  # weight sync: pause, interrupt, recompute KV
                 held = sum(seqs[sid].prompt + seqs[sid].gen - (fin - r.progress) for fin, sid in r.running)
                 r.paused_until = max(r.paused_until, now) + sync + held * r.prefill_s_per_token
             trainer_ready_at = now + sync
-            buf.weights_sent(buf.version)                     # the pause above is the transfer
+            buf.weights_sent(buf.version)  # the pause above is the transfer
             changed = True
         if train_end is None and changed and buf.ready():
             v = buf.version
@@ -193,7 +215,7 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
             step_tokens.append(tokens)
         admit()
 
-    if train_end is not None:                                 # don't count a step still running at the end
+    if train_end is not None:  # don't count a step still running at the end
         train_busy -= max(0.0, train_end - now)
     t0, t1 = step_times[warmup - 1], step_times[-1]
     span = t1 - t0
@@ -201,22 +223,46 @@ def simulate(plan: dict, workload: cm.Workload | dict | None = None, steps: int 
     for s in staleness:
         hist[s] = hist.get(s, 0) + 1
     total_replica_s = len(replicas) * now
-    return {"steps": steps, "eta": wl.eta, "consume_order": consume_order, "step_s": span / (steps - warmup),
-            "tokens_per_s": sum(step_tokens[warmup:steps]) / span,
-            "rollout_idle_frac": 1 - sum(r.busy_s for r in replicas) / total_replica_s,
-            "trainer_idle_frac": 1 - train_busy / now,
-            "staleness": {"mean": sum(staleness) / len(staleness), "max": max(staleness),
-                          "hist": {str(k): v for k, v in sorted(hist.items())}},
-            "predicted_step_s": plan["predicted"]["step_s"], "sim_seconds": now}
+    return {
+        "steps": steps,
+        "eta": wl.eta,
+        "consume_order": consume_order,
+        "step_s": span / (steps - warmup),
+        "tokens_per_s": sum(step_tokens[warmup:steps]) / span,
+        "rollout_idle_frac": 1 - sum(r.busy_s for r in replicas) / total_replica_s,
+        "trainer_idle_frac": 1 - train_busy / now,
+        "staleness": {
+            "mean": sum(staleness) / len(staleness),
+            "max": max(staleness),
+            "hist": {str(k): v for k, v in sorted(hist.items())},
+        },
+        "predicted_step_s": plan["predicted"]["step_s"],
+        "sim_seconds": now,
+    }
 
 
-def predict_from_measured(plan: dict, decode_s_per_token: float, train_s_per_token: float,
-                          sync_s: float | None = None, steps: int = 12, eta: int | None = None,
-                          workload: cm.Workload | dict | None = None, seed: int = 0) -> dict:
+def predict_from_measured(
+    plan: dict,
+    decode_s_per_token: float,
+    train_s_per_token: float,
+    sync_s: float | None = None,
+    steps: int = 12,
+    eta: int | None = None,
+    workload: cm.Workload | dict | None = None,
+    seed: int = 0,
+) -> dict:
     """Validation hook: a short profile of a run gives seconds per generated token of one replica at full
     batch and trainer seconds per token; predict that run's step time and tokens/s."""
-    res = simulate(plan, workload, steps=steps, eta=eta, seed=seed, decode_s_per_token=decode_s_per_token,
-                   train_s_per_token=train_s_per_token, sync_s=sync_s)
+    res = simulate(
+        plan,
+        workload,
+        steps=steps,
+        eta=eta,
+        seed=seed,
+        decode_s_per_token=decode_s_per_token,
+        train_s_per_token=train_s_per_token,
+        sync_s=sync_s,
+    )
     return {"step_s": res["step_s"], "tokens_per_s": res["tokens_per_s"], "simulation": res}
 
 
@@ -240,10 +286,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eta-sweep", default="", help="comma-separated eta values, e.g. 0,1,2,4,8,16")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--seeds", type=int, default=1, help="average over seeds seed..seed+N-1 (max staleness: over all)")
-    ap.add_argument("--consume-order", default="deadline", choices=[*CONSUME_ORDERS, "all"],
-                    help="the buffer's batch rule (buffer.py); all = one row each")
-    ap.add_argument("--long-tail", type=float, default=0.0, metavar="SIGMA",
-                    help="replace the plan's output lengths by a lognormal of the same mean (sigma > 0)")
+    ap.add_argument(
+        "--consume-order",
+        default="deadline",
+        choices=[*CONSUME_ORDERS, "all"],
+        help="the buffer's batch rule (buffer.py); all = one row each",
+    )
+    ap.add_argument(
+        "--long-tail",
+        type=float,
+        default=0.0,
+        metavar="SIGMA",
+        help="replace the plan's output lengths by a lognormal of the same mean (sigma > 0)",
+    )
     a = ap.parse_args(argv)
     if a.seeds < 1:
         ap.error(f"--seeds must be >= 1, got {a.seeds}")
@@ -253,18 +308,26 @@ def main(argv: list[str] | None = None) -> int:
         etas = [int(x) for x in a.eta_sweep.split(",")] if a.eta_sweep else [a.eta]
         orders = CONSUME_ORDERS if a.consume_order == "all" else [a.consume_order]
         wl = long_tail_workload(plan, a.long_tail) if a.long_tail else None
-        print(f"{'eta':>4} {'order':>10} {'step s':>9} {'tokens/s':>10} {'roll idle':>9} {'train idle':>10} "
-              f"{'stale mean':>10} {'max':>4}")
+        print(
+            f"{'eta':>4} {'order':>10} {'step s':>9} {'tokens/s':>10} {'roll idle':>9} {'train idle':>10} "
+            f"{'stale mean':>10} {'max':>4}"
+        )
         for eta in etas:
             for order in orders:
-                runs = [simulate(plan, wl, steps=a.steps, eta=eta, seed=a.seed + i, consume_order=order)
-                        for i in range(a.seeds)]
-                mean = {k: statistics.fmean(r[k] for r in runs)
-                        for k in ("step_s", "tokens_per_s", "rollout_idle_frac", "trainer_idle_frac")}
-                print(f"{eta:>4} {order:>10} {mean['step_s']:>9.2f} {mean['tokens_per_s']:>10.1f} "
-                      f"{mean['rollout_idle_frac']:>9.3f} {mean['trainer_idle_frac']:>10.3f} "
-                      f"{statistics.fmean(r['staleness']['mean'] for r in runs):>10.2f} "
-                      f"{max(r['staleness']['max'] for r in runs):>4}")
+                runs = [
+                    simulate(plan, wl, steps=a.steps, eta=eta, seed=a.seed + i, consume_order=order)
+                    for i in range(a.seeds)
+                ]
+                mean = {
+                    k: statistics.fmean(r[k] for r in runs)
+                    for k in ("step_s", "tokens_per_s", "rollout_idle_frac", "trainer_idle_frac")
+                }
+                print(
+                    f"{eta:>4} {order:>10} {mean['step_s']:>9.2f} {mean['tokens_per_s']:>10.1f} "
+                    f"{mean['rollout_idle_frac']:>9.3f} {mean['trainer_idle_frac']:>10.3f} "
+                    f"{statistics.fmean(r['staleness']['mean'] for r in runs):>10.2f} "
+                    f"{max(r['staleness']['max'] for r in runs):>4}"
+                )
         print(f"planner's predicted step: {plan['predicted']['step_s']:.2f} s")
     except (OSError, KeyError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)

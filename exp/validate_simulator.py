@@ -20,6 +20,7 @@ For every run directory whose plan.json came from schedule.py (it carries the pl
    to compare with trained (response) tokens/s.
 The planner's uncalibrated prediction (exp/clusters/cpu.yaml constants) is printed alongside for reference.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -59,12 +60,16 @@ def profile(run: compare.Run, plan: dict) -> dict:
     prefill_s_per_token = prefill_s / prefill_tokens if prefill_s is not None and prefill_tokens else None
     if prefill_s_per_token is not None:
         busy = max(busy - prefill_s / replicas, 1e-9)
-    return {"batch": B, "prompt_len": prompt_len, "gen_mean": resp_mean,
-            "train_s_per_token": sum(s["train_s"] for s in steps) / (trained + B * prompt_len * len(steps)),
-            "decode_s_per_token": busy / (generated / replicas),
-            "prefill_s_per_token": prefill_s_per_token,
-            "sync_s": sum(s["weight_sync_s"] for s in steps) / len(steps),
-            "eta": compare.config_value(cfg, "staleness.max_staleness")}
+    return {
+        "batch": B,
+        "prompt_len": prompt_len,
+        "gen_mean": resp_mean,
+        "train_s_per_token": sum(s["train_s"] for s in steps) / (trained + B * prompt_len * len(steps)),
+        "decode_s_per_token": busy / (generated / replicas),
+        "prefill_s_per_token": prefill_s_per_token,
+        "sync_s": sum(s["weight_sync_s"] for s in steps) / len(steps),
+        "eta": compare.config_value(cfg, "staleness.max_staleness"),
+    }
 
 
 def validate_run(run_dir: Path, warmup: int = 2, seed: int = 0) -> dict:
@@ -77,21 +82,41 @@ def validate_run(run_dir: Path, warmup: int = 2, seed: int = 0) -> dict:
         raise compare.CompareError(f"{run_dir}: plan.json was not made by schedule.py (no 'inputs')")
     p = profile(run, plan)
     measured = compare.summarize(run, warmup=warmup)
-    workload = {**plan["inputs"]["workload"], "prompts_per_step": compare.config_value(run.config, "train.prompts_per_step"),
-                "samples_per_prompt": compare.config_value(run.config, "rollout.samples_per_prompt"),
-                "prompt_len": p["prompt_len"], "gen_samples": [p["gen_mean"]], "eta": p["eta"]}
-    res = simulate.simulate(plan, workload, steps=len(run.steps), seed=seed, warmup=warmup,
-                            decode_s_per_token=p["decode_s_per_token"], train_s_per_token=p["train_s_per_token"],
-                            sync_s=p["sync_s"], prefill_s_per_token=p["prefill_s_per_token"])
+    workload = {
+        **plan["inputs"]["workload"],
+        "prompts_per_step": compare.config_value(run.config, "train.prompts_per_step"),
+        "samples_per_prompt": compare.config_value(run.config, "rollout.samples_per_prompt"),
+        "prompt_len": p["prompt_len"],
+        "gen_samples": [p["gen_mean"]],
+        "eta": p["eta"],
+    }
+    res = simulate.simulate(
+        plan,
+        workload,
+        steps=len(run.steps),
+        seed=seed,
+        warmup=warmup,
+        decode_s_per_token=p["decode_s_per_token"],
+        train_s_per_token=p["train_s_per_token"],
+        sync_s=p["sync_s"],
+        prefill_s_per_token=p["prefill_s_per_token"],
+    )
     predicted_tokens_per_s = res["tokens_per_s"] * p["gen_mean"] / (p["gen_mean"] + p["prompt_len"])
     t = plan["train"]
-    return {"run": run.name, "layout": f"dp{t['dp']} tp{t['tp']} pp{t['pp']} + {len(plan['rollout']['replicas'])} rollout",
-            "profile": p, "measured_step_s": measured["step_s"], "predicted_step_s": res["step_s"],
-            "measured_tokens_per_s": measured["tokens_per_s"], "predicted_tokens_per_s": predicted_tokens_per_s,
-            "planner_step_s": plan["predicted"]["step_s"],
-            "measured_staleness_mean": measured["staleness_mean"], "predicted_staleness_mean": res["staleness"]["mean"],
-            "tokens_err": predicted_tokens_per_s / measured["tokens_per_s"] - 1,
-            "step_err": res["step_s"] / measured["step_s"] - 1}
+    return {
+        "run": run.name,
+        "layout": f"dp{t['dp']} tp{t['tp']} pp{t['pp']} + {len(plan['rollout']['replicas'])} rollout",
+        "profile": p,
+        "measured_step_s": measured["step_s"],
+        "predicted_step_s": res["step_s"],
+        "measured_tokens_per_s": measured["tokens_per_s"],
+        "predicted_tokens_per_s": predicted_tokens_per_s,
+        "planner_step_s": plan["predicted"]["step_s"],
+        "measured_staleness_mean": measured["staleness_mean"],
+        "predicted_staleness_mean": res["staleness"]["mean"],
+        "tokens_err": predicted_tokens_per_s / measured["tokens_per_s"] - 1,
+        "step_err": res["step_s"] / measured["step_s"] - 1,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -115,12 +140,16 @@ def main(argv: list[str] | None = None) -> int:
     except (compare.CompareError, ValueError, RuntimeError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{'run':<18} {'layout':<22} {'meas tok/s':>10} {'sim tok/s':>10} {'err':>7} "
-          f"{'meas step s':>11} {'sim step s':>10} {'err':>7} {'stale m/s':>10} {'planner step s':>14}")
+    print(
+        f"{'run':<18} {'layout':<22} {'meas tok/s':>10} {'sim tok/s':>10} {'err':>7} "
+        f"{'meas step s':>11} {'sim step s':>10} {'err':>7} {'stale m/s':>10} {'planner step s':>14}"
+    )
     for r in results:
-        print(f"{r['run']:<18} {r['layout']:<22} {r['measured_tokens_per_s']:>10.1f} {r['predicted_tokens_per_s']:>10.1f} "
-              f"{r['tokens_err']:>+7.1%} {r['measured_step_s']:>11.3f} {r['predicted_step_s']:>10.3f} {r['step_err']:>+7.1%} "
-              f"{r['measured_staleness_mean']:>4.2f}/{r['predicted_staleness_mean']:<5.2f} {r['planner_step_s']:>14.3f}")
+        print(
+            f"{r['run']:<18} {r['layout']:<22} {r['measured_tokens_per_s']:>10.1f} {r['predicted_tokens_per_s']:>10.1f} "
+            f"{r['tokens_err']:>+7.1%} {r['measured_step_s']:>11.3f} {r['predicted_step_s']:>10.3f} {r['step_err']:>+7.1%} "
+            f"{r['measured_staleness_mean']:>4.2f}/{r['predicted_staleness_mean']:<5.2f} {r['planner_step_s']:>14.3f}"
+        )
     ok = [r for r in results if abs(r["tokens_err"]) <= TOLERANCE and abs(r["step_err"]) <= TOLERANCE]
     print(f"{len(ok)} of {len(results)} layouts within {TOLERANCE:.0%} (tokens/s and step time)")
     out = Path(a.out) if a.out else Path(a.paths[0]) / "validation.json"

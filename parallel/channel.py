@@ -9,6 +9,7 @@ until `wait()`, and `wait(timeout)` is not honoured for receives — measured he
 Keys: hexrl/<run>/mb/<dst>/<src>/<seq>, one per message, deleted once read; per-pair order is kept by seq.
 Large tensors (weights) travel over the process group instead, see parallel/weight_sync.py.
 """
+
 from __future__ import annotations
 
 import json
@@ -38,7 +39,7 @@ class Channel:
         self.peers = list(peers)
         self.store = store or default_store()
         self.ns = namespace
-        self.next_in = {p: 0 for p in self.peers}      # next sequence number expected from each peer
+        self.next_in = {p: 0 for p in self.peers}  # next sequence number expected from each peer
         self.next_out: dict[int, int] = {}
         self.last_heard = {p: time.monotonic() for p in self.peers}
         self.closed: set[int] = set()
@@ -58,7 +59,7 @@ class Channel:
         sleep = 0.0002
         while True:
             out = []
-            for p in (peers or self.peers):
+            for p in peers or self.peers:
                 while p not in self.closed:
                     key = self._key(self.rank, p, self.next_in[p])
                     if not self.store.check([key]):

@@ -3,6 +3,7 @@
 Both are deterministic functions of the lengths, so every rank of a pipeline (and every TP peer) derives the
 same micro-batches from the same trajectory list without communicating.
 """
+
 from __future__ import annotations
 
 
@@ -38,8 +39,10 @@ def dynamic_microbatches(lengths: list[int], capacity: int, min_microbatches: in
     for i in _descending(lengths):
         n = lengths[i]
         if n > capacity:
-            raise ValueError(f"sequence {i} has {n} tokens, more than micro_batch_tokens={capacity}; "
-                             f"raise micro_batch_tokens to at least the longest prompt+response")
+            raise ValueError(
+                f"sequence {i} has {n} tokens, more than micro_batch_tokens={capacity}; "
+                f"raise micro_batch_tokens to at least the longest prompt+response"
+            )
         fitting = [b for b in range(len(bins)) if tokens[b] + n <= capacity]
         if len(bins) < min_microbatches or not fitting:
             bins.append([i])

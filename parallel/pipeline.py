@@ -9,10 +9,12 @@ activation shape of micro-batch i is known on both sides (`act_shape(i)`) and no
 alternates one forward and one backward, then drains the remaining backwards. At most pp-s activations are alive.
 Sends and receives in opposite directions are posted together (batch_isend_irecv) so neighbours never deadlock.
 """
+
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -21,17 +23,22 @@ import torch.distributed as dist
 @dataclass
 class StageLinks:
     """This rank's place in its pipeline: global ranks of the neighbours (None at the ends)."""
+
     prev: int | None
     next: int | None
     group: Any
     device: torch.device
-    act_dtype: torch.dtype = torch.float32   # activations always travel in fp32 (bf16 compute casts on entry)
+    act_dtype: torch.dtype = torch.float32  # activations always travel in fp32 (bf16 compute casts on entry)
 
     @classmethod
-    def from_groups(cls, groups, device) -> "StageLinks":
+    def from_groups(cls, groups, device) -> StageLinks:
         p, ranks = groups.pp_rank, groups.pp_ranks
-        return cls(prev=ranks[p - 1] if p > 0 else None, next=ranks[p + 1] if p + 1 < len(ranks) else None,
-                   group=groups.pp_group, device=torch.device(device))
+        return cls(
+            prev=ranks[p - 1] if p > 0 else None,
+            next=ranks[p + 1] if p + 1 < len(ranks) else None,
+            group=groups.pp_group,
+            device=torch.device(device),
+        )
 
     @property
     def first(self) -> bool:
@@ -56,8 +63,12 @@ class StageLinks:
         return out
 
 
-def forward_only(links: StageLinks, num_microbatches: int, act_shape: Callable[[int], tuple],
-                 step: Callable[[int, torch.Tensor | None], Any]) -> list[Any]:
+def forward_only(
+    links: StageLinks,
+    num_microbatches: int,
+    act_shape: Callable[[int], tuple],
+    step: Callable[[int, torch.Tensor | None], Any],
+) -> list[Any]:
     """Runs every micro-batch through the pipeline without grad; returns the last stage's outputs (else [])."""
     outputs = []
     with torch.no_grad():
@@ -71,13 +82,19 @@ def forward_only(links: StageLinks, num_microbatches: int, act_shape: Callable[[
     return outputs
 
 
-def train_1f1b(links: StageLinks, num_microbatches: int, act_shape: Callable[[int], tuple],
-               step: Callable[[int, torch.Tensor | None], torch.Tensor], pp_rank: int, pp: int) -> None:
+def train_1f1b(
+    links: StageLinks,
+    num_microbatches: int,
+    act_shape: Callable[[int], tuple],
+    step: Callable[[int, torch.Tensor | None], torch.Tensor],
+    pp_rank: int,
+    pp: int,
+) -> None:
     """Forward and backward of every micro-batch under 1F1B; gradients accumulate in the stage's parameters.
     On the last stage `step` returns the micro-batch's (already globally normalised) scalar loss."""
     m = num_microbatches
     warmup = min(pp - pp_rank - 1, m)
-    alive: list[tuple[torch.Tensor | None, torch.Tensor]] = []   # (input, output) of forwarded, not yet backwarded
+    alive: list[tuple[torch.Tensor | None, torch.Tensor]] = []  # (input, output) of forwarded, not yet backwarded
 
     def forward(i: int, x: torch.Tensor | None) -> torch.Tensor:
         if x is not None:
@@ -102,7 +119,7 @@ def train_1f1b(links: StageLinks, num_microbatches: int, act_shape: Callable[[in
         if not links.last:
             links.exchange([(y, links.next)], [])
 
-    fwd, bwd = warmup, 0        # next micro-batch to forward / to backward
+    fwd, bwd = warmup, 0  # next micro-batch to forward / to backward
     x = recv_forward(fwd) if fwd < m else None
     while fwd < m:
         y = forward(fwd, x)
@@ -115,12 +132,12 @@ def train_1f1b(links: StageLinks, num_microbatches: int, act_shape: Callable[[in
         bwd += 1
         if links.first:
             x = None
-        elif fwd < m:   # send the input gradient back, receive the next input
+        elif fwd < m:  # send the input gradient back, receive the next input
             x = links.exchange([(grad_x, links.prev)], [(act_shape(fwd), links.prev)])[0]
         else:
             links.exchange([(grad_x, links.prev)], [])
 
-    while bwd < m:              # cool-down: drain the warm-up micro-batches
+    while bwd < m:  # cool-down: drain the warm-up micro-batches
         grad_y = None if links.last else links.exchange([], [(act_shape(bwd), links.next)])[0]
         grad_x = backward(grad_y)
         bwd += 1

@@ -9,19 +9,26 @@ Conventions
 - the loss is a token *sum* divided by `num_valid_tokens`, the count over the whole minibatch, so summing the
   partial losses of any split of the minibatch gives the same number (and the same gradient).
 """
+
 from __future__ import annotations
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-
 # ----------------------------------------------------------------------------------------------------------------
 # decoupled PPO (AReaL): three policies, pi_theta (current), pi_prox (proximal), pi_behav (behaviour / rollout)
 
-def decoupled_ppo_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-                        advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-                        behav_imp_weight_cap: float | None = None) -> dict[str, torch.Tensor]:
+
+def decoupled_ppo_terms(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    behav_imp_weight_cap: float | None = None,
+) -> dict[str, torch.Tensor]:
     """Per-token terms of the decoupled PPO objective; every tensor has the shape of `logp`.
 
     Returns pg (clipped surrogate, already multiplied by the behaviour weight and the loss mask),
@@ -54,11 +61,16 @@ def decoupled_ppo_terms(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp:
     return {"pg": pg, "loss_mask": loss_mask, "clipped": clipped, "imp_weight": imp_weight, "valid": valid}
 
 
-def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: torch.Tensor,
-                       advantages: torch.Tensor, mask: torch.Tensor, clip_eps: float,
-                       behav_imp_weight_cap: float | None = None,
-                       num_valid_tokens: int | float | torch.Tensor | None = None
-                       ) -> tuple[torch.Tensor, dict[str, float]]:
+def decoupled_ppo_loss(
+    logp: torch.Tensor,
+    prox_logp: torch.Tensor,
+    behav_logp: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float,
+    behav_imp_weight_cap: float | None = None,
+    num_valid_tokens: int | float | torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, float]]:
     """loss = sum(max(-A r, -A clip(r, 1-eps, 1+eps)) * w * mask) / num_valid_tokens,
     r = exp(logp - prox_logp), w = exp(prox_logp - behav_logp) (no grad); tokens with w > cap are masked out
     (the denominator keeps them, so masking never inflates the gradient). prox_logp == behav_logp gives standard PPO.
@@ -89,8 +101,10 @@ def decoupled_ppo_loss(logp: torch.Tensor, prox_logp: torch.Tensor, behav_logp: 
 # ----------------------------------------------------------------------------------------------------------------
 # log-probs and entropy over the full vocabulary
 
-def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
-                               ) -> tuple[torch.Tensor, torch.Tensor]:
+
+def token_logprobs_and_entropy(
+    logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [..., V], targets [...] -> (log p(target), entropy), fp32, under softmax(logits / temperature)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
@@ -104,6 +118,7 @@ def token_logprobs_and_entropy(logits: torch.Tensor, targets: torch.Tensor, temp
 
 # ----------------------------------------------------------------------------------------------------------------
 # vocab-parallel version: each TP rank holds logits for vocab rows [vocab_start, vocab_start + V_local)
+
 
 class _AllReduceSum(torch.autograd.Function):
     """Forward: all-reduce SUM over the TP group. Backward: identity.
@@ -122,8 +137,9 @@ class _AllReduceSum(torch.autograd.Function):
         return grad, None
 
 
-def vocab_parallel_logprobs_and_entropy(local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int,
-                                        tp_group, temperature: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def vocab_parallel_logprobs_and_entropy(
+    local_logits: torch.Tensor, targets: torch.Tensor, vocab_start: int, tp_group, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Same result as token_logprobs_and_entropy on the concatenated logits, without materialising them.
 
     Communicates three [...]-sized tensors over tp_group (max, sum-exp, target logit + sum p*z); differentiable

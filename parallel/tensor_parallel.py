@@ -15,6 +15,7 @@ never builds the T x T block-diagonal mask (quadratic in the packed length: it c
 train step): q/k/v are gathered into a right-padded [n_seqs, L_max] batch for SDPA's plain causal path (a valid
 query never sees a padded key under a causal mask), or handed to flash-attn's varlen kernel on GPU when installed.
 """
+
 from __future__ import annotations
 
 import copy
@@ -33,9 +34,20 @@ except ImportError:
     flash_attn_varlen_func = None
 
 # how each HF parameter is split across TP ranks: 0 = rows (column-parallel / vocab), 1 = columns (row-parallel)
-_ROW_SPLIT = ("embed_tokens.weight", "lm_head.weight", "q_proj.weight", "q_proj.bias", "k_proj.weight",
-              "k_proj.bias", "v_proj.weight", "v_proj.bias", "gate_proj.weight", "gate_proj.bias",
-              "up_proj.weight", "up_proj.bias")
+_ROW_SPLIT = (
+    "embed_tokens.weight",
+    "lm_head.weight",
+    "q_proj.weight",
+    "q_proj.bias",
+    "k_proj.weight",
+    "k_proj.bias",
+    "v_proj.weight",
+    "v_proj.bias",
+    "gate_proj.weight",
+    "gate_proj.bias",
+    "up_proj.weight",
+    "up_proj.bias",
+)
 _COL_SPLIT = ("o_proj.weight", "down_proj.weight")
 
 
@@ -56,6 +68,7 @@ def slice_shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int) -> t
 
 # ----------------------------------------------------------------------------------------------------------------
 # the two TP communication primitives (Megatron's f and g)
+
 
 class _CopyToTP(torch.autograd.Function):
     """identity forward, all-reduce of the gradient backward (input of a column-parallel layer)"""
@@ -99,6 +112,7 @@ class TPContext:
 
 # ----------------------------------------------------------------------------------------------------------------
 # modules (parameter-holding shells; communication is explicit in the forwards)
+
 
 class ShardLinear(nn.Module):
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
@@ -154,7 +168,7 @@ class Attention(nn.Module):
         self.head_dim = hf_attn.head_dim
         self.scaling = hf_attn.scaling
 
-    def forward(self, x, cos, sin, packed: "PackedSeqs | None", tp: TPContext):
+    def forward(self, x, cos, sin, packed: PackedSeqs | None, tp: TPContext):
         b, t, _ = x.shape
         x = tp.copy(x)
         q = self.q_proj(x).view(b, t, self.heads, self.head_dim).transpose(1, 2)
@@ -165,10 +179,18 @@ class Attention(nn.Module):
         k = k * cos + _rotate_half(k) * sin
         flash_dtype = _flash_varlen_dtype(q) if packed is not None else None
         if flash_dtype is not None:
-            q, k, v = (z[0].transpose(0, 1).to(flash_dtype) for z in (q, k, v))    # [T, heads, D]
-            y = flash_attn_varlen_func(q, k, v,
-                                       packed.cu_seqlens, packed.cu_seqlens, packed.max_len, packed.max_len,
-                                       causal=True, softmax_scale=self.scaling)   # GQA handled by the kernel
+            q, k, v = (z[0].transpose(0, 1).to(flash_dtype) for z in (q, k, v))  # [T, heads, D]
+            y = flash_attn_varlen_func(
+                q,
+                k,
+                v,
+                packed.cu_seqlens,
+                packed.cu_seqlens,
+                packed.max_len,
+                packed.max_len,
+                causal=True,
+                softmax_scale=self.scaling,
+            )  # GQA handled by the kernel
             y = y.reshape(b, t, self.heads * self.head_dim)
         else:
             if self.kv_heads != self.heads:
@@ -177,8 +199,11 @@ class Attention(nn.Module):
             if packed is None:
                 y = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=self.scaling)
             else:
-                y = packed.unpad(F.scaled_dot_product_attention(packed.pad(q), packed.pad(k), packed.pad(v),
-                                                                is_causal=True, scale=self.scaling))
+                y = packed.unpad(
+                    F.scaled_dot_product_attention(
+                        packed.pad(q), packed.pad(k), packed.pad(v), is_causal=True, scale=self.scaling
+                    )
+                )
             y = y.transpose(1, 2).reshape(b, t, self.heads * self.head_dim)
         # row-parallel: partial products summed over TP, then the (replicated) bias once
         out = tp.reduce(F.linear(y, self.o_proj.weight))
@@ -202,13 +227,16 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, hf_layer: nn.Module, eps: float, local_heads: int, local_kv_heads: int, shards: dict):
         super().__init__()
-        sub = lambda prefix: {k[len(prefix):]: v for k, v in shards.items() if k.startswith(prefix)}
+
+        def sub(prefix: str) -> dict:
+            return {k[len(prefix) :]: v for k, v in shards.items() if k.startswith(prefix)}
+
         self.input_layernorm = RMSNorm(shards["input_layernorm.weight"], eps)
         self.self_attn = Attention(hf_layer.self_attn, local_heads, local_kv_heads, sub("self_attn."))
         self.post_attention_layernorm = RMSNorm(shards["post_attention_layernorm.weight"], eps)
         self.mlp = MLP(hf_layer.mlp.act_fn, sub("mlp."))
 
-    def forward(self, h, cos, sin, packed: "PackedSeqs | None", tp: TPContext):
+    def forward(self, h, cos, sin, packed: PackedSeqs | None, tp: TPContext):
         h = h + self.self_attn(self.input_layernorm(h), cos, sin, packed, tp)
         return h + self.mlp(self.post_attention_layernorm(h), tp)
 
@@ -221,8 +249,16 @@ class DecoderStage(nn.Module):
     """Layers [start, end) of an HF causal LM, TP shard `tp_rank` of `tp`. First stage: ids -> hidden; middle:
     hidden -> hidden; last stage: hidden -> local logits [B, T, V/tp] (the whole model when first and last)."""
 
-    def __init__(self, hf_model: nn.Module, layers: tuple[int, int], first: bool, last: bool,
-                 tp_rank: int = 0, tp: int = 1, tp_group=None):
+    def __init__(
+        self,
+        hf_model: nn.Module,
+        layers: tuple[int, int],
+        first: bool,
+        last: bool,
+        tp_rank: int = 0,
+        tp: int = 1,
+        tp_group=None,
+    ):
         super().__init__()
         cfg = hf_model.config
         check_model_supports_tp(cfg, tp)
@@ -251,9 +287,10 @@ class DecoderStage(nn.Module):
         self.model.layers = nn.ModuleDict()
         for i in range(start, end):
             prefix = f"model.layers.{i}."
-            shards = {n[len(prefix):]: take(n) for n in full if n.startswith(prefix)}
-            self.model.layers[str(i)] = DecoderLayer(hf_model.model.layers[i], cfg.rms_norm_eps, heads, kv_heads,
-                                                     shards)
+            shards = {n[len(prefix) :]: take(n) for n in full if n.startswith(prefix)}
+            self.model.layers[str(i)] = DecoderLayer(
+                hf_model.model.layers[i], cfg.rms_norm_eps, heads, kv_heads, shards
+            )
         if last:
             self.model.norm = RMSNorm(take("model.norm.weight"), cfg.rms_norm_eps)
             if self.tied and first:
@@ -269,10 +306,13 @@ class DecoderStage(nn.Module):
                 self.lm_head_weight_name = "lm_head.weight"
 
     def lm_head_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight if self.lm_head_weight_name == "model.embed_tokens.weight" \
+        return (
+            self.model.embed_tokens.weight
+            if self.lm_head_weight_name == "model.embed_tokens.weight"
             else self.lm_head.weight
+        )
 
-    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, packed: "PackedSeqs | None") -> torch.Tensor:
+    def forward(self, x: torch.Tensor, position_ids: torch.Tensor, packed: PackedSeqs | None) -> torch.Tensor:
         """x: token ids [B, T] on the first stage, hidden [B, T, H] elsewhere; packed: the sequences packed in
         the single row (B = 1), or None for plain causal attention over each row."""
         h = self.model.embed_tokens(x, self.tp) if self.first else x
@@ -290,13 +330,18 @@ class DecoderStage(nn.Module):
 
 def check_model_supports_tp(cfg, tp: int) -> None:
     if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(f"model_type {getattr(cfg, 'model_type', None)!r} not supported "
-                         f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})")
+        raise ValueError(
+            f"model_type {getattr(cfg, 'model_type', None)!r} not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
     if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
         raise ValueError("sliding-window attention is not supported by the parallel trainer")
-    for what, n in (("num_attention_heads", cfg.num_attention_heads), ("num_key_value_heads",
-                    cfg.num_key_value_heads), ("vocab_size", cfg.vocab_size),
-                    ("intermediate_size", cfg.intermediate_size)):
+    for what, n in (
+        ("num_attention_heads", cfg.num_attention_heads),
+        ("num_key_value_heads", cfg.num_key_value_heads),
+        ("vocab_size", cfg.vocab_size),
+        ("intermediate_size", cfg.intermediate_size),
+    ):
         if n % tp:
             raise ValueError(f"tp={tp} must divide {what}={n}")
 
@@ -304,14 +349,15 @@ def check_model_supports_tp(cfg, tp: int) -> None:
 @dataclass
 class PackedSeqs:
     """Where the sequences of one packed row [1, T] lie, for per-sequence causal attention."""
+
     seq_lens: list[int]
     max_len: int
-    to_padded: torch.Tensor    # [n * max_len]: packed position of each right-padded slot (0 for padding)
-    to_packed: torch.Tensor    # [T]: padded slot of each packed position
-    cu_seqlens: torch.Tensor   # int32 [n + 1]: sequence starts, the layout flash-attn's varlen kernel takes
+    to_padded: torch.Tensor  # [n * max_len]: packed position of each right-padded slot (0 for padding)
+    to_packed: torch.Tensor  # [T]: padded slot of each packed position
+    cu_seqlens: torch.Tensor  # int32 [n + 1]: sequence starts, the layout flash-attn's varlen kernel takes
 
     @classmethod
-    def build(cls, seq_lens: list[int], device) -> "PackedSeqs | None":
+    def build(cls, seq_lens: list[int], device) -> PackedSeqs | None:
         """None for a single sequence: attention then takes SDPA's plain causal path."""
         if len(seq_lens) == 1:
             return None
@@ -319,9 +365,9 @@ class PackedSeqs:
         lens = torch.tensor(seq_lens, device=device)
         starts = torch.cumsum(lens, 0) - lens
         offset = torch.arange(max_len, device=device)
-        inside = offset[None, :] < lens[:, None]                                  # [n, max_len]
+        inside = offset[None, :] < lens[:, None]  # [n, max_len]
         to_padded = torch.where(inside, starts[:, None] + offset[None, :], torch.zeros_like(inside, dtype=torch.long))
-        to_packed = torch.nonzero(inside.reshape(-1)).squeeze(1)                 # row-major = packed order
+        to_packed = torch.nonzero(inside.reshape(-1)).squeeze(1)  # row-major = packed order
         cu = torch.cat([starts, lens.sum()[None]]).to(torch.int32)
         return cls(list(seq_lens), max_len, to_padded.reshape(-1), to_packed, cu)
 

@@ -11,6 +11,7 @@ One train_step(trajectories):
      sums to the single-process loss), sum tied-embedding grads between first and last stage, bucketed DP
      all-reduce (SUM), clip by the global norm (each parameter counted once), AdamW step on fp32 master weights.
 """
+
 from __future__ import annotations
 
 import math
@@ -32,29 +33,30 @@ class TrainerConfig:
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
-    grad_clip: float | None = 1.0              # max global grad norm; None = no clipping
+    grad_clip: float | None = 1.0  # max global grad norm; None = no clipping
     clip_eps: float = 0.2
-    behav_imp_weight_cap: float | None = None   # mask tokens with pi_prox/pi_behav above this
-    recompute_prox_logprobs: bool = True        # False: pi_prox := pi_behav (standard PPO)
+    behav_imp_weight_cap: float | None = None  # mask tokens with pi_prox/pi_behav above this
+    recompute_prox_logprobs: bool = True  # False: pi_prox := pi_behav (standard PPO)
     temperature: float = 1.0
     ppo_minibatches: int = 1
     micro_batch_tokens: int = 8192
-    min_microbatches: int | None = None         # per DP rank and minibatch; None -> pp (keeps the pipeline full)
+    min_microbatches: int | None = None  # per DP rank and minibatch; None -> pp (keeps the pipeline full)
     seed: int = 1
-    dtype: str = "float32"                      # "bfloat16": bf16 autocast compute, fp32 master weights + Adam
+    dtype: str = "float32"  # "bfloat16": bf16 autocast compute, fp32 master weights + Adam
     grad_bucket_mb: float = 25.0
 
 
 @dataclass
 class MicroBatch:
     """One packed row of sequences (indices into the minibatch), aligned per position t (t predicts t+1)."""
+
     seqs: list[int]
     seq_lens: list[int]
-    input_ids: torch.Tensor      # [1, T]
-    targets: torch.Tensor        # [1, T]
-    loss_mask: torch.Tensor      # [1, T] bool: t predicts a response token
-    behav_logp: torch.Tensor     # [1, T]
-    advantages: torch.Tensor     # [1, T]
+    input_ids: torch.Tensor  # [1, T]
+    targets: torch.Tensor  # [1, T]
+    loss_mask: torch.Tensor  # [1, T] bool: t predicts a response token
+    behav_logp: torch.Tensor  # [1, T]
+    advantages: torch.Tensor  # [1, T]
     prox_logp: torch.Tensor | None = None
 
     @property
@@ -64,8 +66,8 @@ class MicroBatch:
 
 @dataclass
 class Minibatch:
-    num_valid_tokens: int                     # global count of response tokens (all DP ranks)
-    micro: list[MicroBatch] = field(default_factory=list)   # this DP rank's share
+    num_valid_tokens: int  # global count of response tokens (all DP ranks)
+    micro: list[MicroBatch] = field(default_factory=list)  # this DP rank's share
 
 
 def _check_trajectories(trajs: list, vocab_size: int) -> None:
@@ -75,8 +77,9 @@ def _check_trajectories(trajs: list, vocab_size: int) -> None:
         if len(tr.prompt_ids) < 1:
             raise ValueError(f"trajectory {i}: empty prompt_ids (the first response token needs a context)")
         if len(tr.behav_logprobs) != len(tr.response_ids):
-            raise ValueError(f"trajectory {i}: {len(tr.behav_logprobs)} behav_logprobs for "
-                             f"{len(tr.response_ids)} response tokens")
+            raise ValueError(
+                f"trajectory {i}: {len(tr.behav_logprobs)} behav_logprobs for {len(tr.response_ids)} response tokens"
+            )
         ids = list(tr.prompt_ids) + list(tr.response_ids)
         if min(ids) < 0 or max(ids) >= vocab_size:
             raise ValueError(f"trajectory {i}: token id outside [0, {vocab_size})")
@@ -98,17 +101,29 @@ class Trainer:
         self.hf_config = hf_model.config
         n_layers = hf_model.config.num_hidden_layers
         if groups.stage_layers[-1][1] != n_layers:
-            raise ValueError(f"plan stages cover layers [0,{groups.stage_layers[-1][1]}) "
-                             f"but the model has {n_layers} layers")
+            raise ValueError(
+                f"plan stages cover layers [0,{groups.stage_layers[-1][1]}) but the model has {n_layers} layers"
+            )
         # HF state-dict names and shapes (tied models list both embed_tokens and lm_head), for gather
-        self.full_shapes = {n: tuple(t.shape) for n, t in hf_model.state_dict().items()
-                            if n.startswith(("model.embed_tokens", "model.layers.", "model.norm", "lm_head"))}
-        self.stage = DecoderStage(hf_model, groups.layers, groups.is_first_stage, groups.is_last_stage,
-                                  groups.tp_rank, groups.tp, groups.tp_group).to(self.device)
+        self.full_shapes = {
+            n: tuple(t.shape)
+            for n, t in hf_model.state_dict().items()
+            if n.startswith(("model.embed_tokens", "model.layers.", "model.norm", "lm_head"))
+        }
+        self.stage = DecoderStage(
+            hf_model,
+            groups.layers,
+            groups.is_first_stage,
+            groups.is_last_stage,
+            groups.tp_rank,
+            groups.tp,
+            groups.tp_group,
+        ).to(self.device)
         del hf_model
         self.params = dict(self.stage.named_parameters())
-        self.optimizer = torch.optim.AdamW(self.params.values(), lr=config.lr, betas=config.betas, eps=config.eps,
-                                           weight_decay=config.weight_decay)
+        self.optimizer = torch.optim.AdamW(
+            self.params.values(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+        )
         self.links = StageLinks.from_groups(groups, self.device)
         self.autocast_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
         self.step = 0
@@ -118,6 +133,7 @@ class Trainer:
         if isinstance(src, torch.nn.Module):
             return src
         from transformers import AutoModelForCausalLM
+
         return AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
 
     # ------------------------------------------------------------------------------------------------------------
@@ -131,8 +147,7 @@ class Trainer:
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
         num_valid = sum(len(t.response_ids) for t in trajs)
         mine = balanced_partition(lengths, g.dp)[g.dp_rank]
-        packs = dynamic_microbatches([lengths[i] for i in mine], self.cfg.micro_batch_tokens,
-                                     self._min_microbatches())
+        packs = dynamic_microbatches([lengths[i] for i in mine], self.cfg.micro_batch_tokens, self._min_microbatches())
         mb = Minibatch(num_valid_tokens=num_valid)
         for pack in packs:
             seqs = [mine[j] for j in pack]
@@ -146,10 +161,21 @@ class Trainer:
                 mask += [False] * (p - 1) + [True] * r + [False]
                 behav += [0.0] * (p - 1) + [float(x) for x in tr.behav_logprobs] + [0.0]
                 adv += [0.0] * (p - 1) + [float(tr.advantage)] * r + [0.0]
-            as_row = lambda xs, dt: torch.tensor(xs, dtype=dt, device=self.device)[None]
-            mb.micro.append(MicroBatch(seqs, [lengths[i] for i in seqs], as_row(ids, torch.long),
-                                       as_row(tgt, torch.long), as_row(mask, torch.bool),
-                                       as_row(behav, torch.float32), as_row(adv, torch.float32)))
+
+            def as_row(xs: list, dt: torch.dtype) -> torch.Tensor:
+                return torch.tensor(xs, dtype=dt, device=self.device)[None]
+
+            mb.micro.append(
+                MicroBatch(
+                    seqs,
+                    [lengths[i] for i in seqs],
+                    as_row(ids, torch.long),
+                    as_row(tgt, torch.long),
+                    as_row(mask, torch.bool),
+                    as_row(behav, torch.float32),
+                    as_row(adv, torch.float32),
+                )
+            )
         return mb
 
     # ------------------------------------------------------------------------------------------------------------
@@ -160,8 +186,9 @@ class Trainer:
         inp = m.input_ids if self.groups.is_first_stage else x
         pos = packed_position_ids(m.seq_lens, self.device)
         packed = PackedSeqs.build(m.seq_lens, self.device)
-        with torch.autocast(self.device.type, dtype=self.autocast_dtype or torch.float32,
-                            enabled=self.autocast_dtype is not None):
+        with torch.autocast(
+            self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
+        ):
             out = self.stage(inp, pos, packed)
         return out if self.groups.is_last_stage else out.float()
 
@@ -169,8 +196,9 @@ class Trainer:
         g = self.groups
         if g.tp == 1:
             return token_logprobs_and_entropy(local_logits, targets, self.cfg.temperature)
-        return vocab_parallel_logprobs_and_entropy(local_logits, targets, self.stage.vocab_start, g.tp_group,
-                                                   self.cfg.temperature)
+        return vocab_parallel_logprobs_and_entropy(
+            local_logits, targets, self.stage.vocab_start, g.tp_group, self.cfg.temperature
+        )
 
     def _act_shape(self, micro: list[MicroBatch]):
         hidden = self.hf_config.hidden_size
@@ -213,13 +241,25 @@ class Trainer:
                 prox = logp.detach()
             else:
                 prox = m.prox_logp if m.prox_logp is not None else m.behav_logp
-            t = decoupled_ppo_terms(logp, prox, m.behav_logp, m.advantages, m.loss_mask, self.cfg.clip_eps,
-                                    self.cfg.behav_imp_weight_cap)
+            t = decoupled_ppo_terms(
+                logp, prox, m.behav_logp, m.advantages, m.loss_mask, self.cfg.clip_eps, self.cfg.behav_imp_weight_cap
+            )
             loss = t["pg"].sum() / n_global
             valid = t["valid"]
             w = t["imp_weight"][valid]
-            stats.add_(torch.stack([loss.detach(), valid.sum(), t["loss_mask"].sum(), t["clipped"].sum(), w.sum(),
-                                    entropy.detach()[valid].sum(), torch.zeros((), device=self.device)]).double())
+            stats.add_(
+                torch.stack(
+                    [
+                        loss.detach(),
+                        valid.sum(),
+                        t["loss_mask"].sum(),
+                        t["clipped"].sum(),
+                        w.sum(),
+                        entropy.detach()[valid].sum(),
+                        torch.zeros((), device=self.device),
+                    ]
+                ).double()
+            )
             if w.numel():
                 stats[6] = torch.maximum(stats[6], w.max().double())
             return loss
@@ -241,7 +281,7 @@ class Trainer:
 
     def _allreduce_buckets(self, grads: list[torch.Tensor], group) -> None:
         """SUM all-reduce in flat buckets of about grad_bucket_mb (last layers first, like DDP)"""
-        limit = int(self.cfg.grad_bucket_mb * 2 ** 20)
+        limit = int(self.cfg.grad_bucket_mb * 2**20)
         buckets: list[list[torch.Tensor]] = [[]]
         size = 0
         for grad in reversed(grads):
@@ -258,7 +298,7 @@ class Trainer:
             dist.all_reduce(flat, group=group)
             offset = 0
             for b in bucket:
-                b.copy_(flat[offset:offset + b.numel()].view_as(b))
+                b.copy_(flat[offset : offset + b.numel()].view_as(b))
                 offset += b.numel()
 
     def global_grad_norm(self) -> torch.Tensor:
@@ -286,7 +326,7 @@ class Trainer:
         if len(trajectories) < k:
             raise ValueError(f"train_step: {len(trajectories)} trajectories cannot fill ppo_minibatches={k}")
         bounds = [round(j * len(trajectories) / k) for j in range(k + 1)]
-        minibatches = [self._minibatch(trajectories[bounds[j]:bounds[j + 1]]) for j in range(k)]
+        minibatches = [self._minibatch(trajectories[bounds[j] : bounds[j + 1]]) for j in range(k)]
         for j, mb in enumerate(minibatches):
             if mb.num_valid_tokens == 0:
                 raise ValueError(f"train_step: minibatch {j} has no response tokens to train on")
@@ -318,9 +358,16 @@ class Trainer:
             n_mb.zero_()
         dist.all_reduce(n_mb, group=g.train_group)
         loss, n_valid, n_loss, clipped, w_sum, ent_sum = sums
-        return {"loss": loss / k, "grad_norm": sum(grad_norms) / k, "pg_clipfrac": clipped / max(n_loss, 1.0),
-                "importance_weight_mean": w_sum / max(n_valid, 1.0), "importance_weight_max": w_max,
-                "entropy": ent_sum / max(n_valid, 1.0), "trained_tokens": n_valid, "num_microbatches": n_mb.item()}
+        return {
+            "loss": loss / k,
+            "grad_norm": sum(grad_norms) / k,
+            "pg_clipfrac": clipped / max(n_loss, 1.0),
+            "importance_weight_mean": w_sum / max(n_valid, 1.0),
+            "importance_weight_max": w_max,
+            "entropy": ent_sum / max(n_valid, 1.0),
+            "trained_tokens": n_valid,
+            "num_microbatches": n_mb.item(),
+        }
 
     def _optimizer_step_if_finite(self, global_grad_norm: torch.Tensor) -> bool:
         """A NaN/inf gradient (every rank sees the same all-reduced norm) skips the update on every rank, so
@@ -394,7 +441,7 @@ class Trainer:
             offset = 0
             for n in theirs:
                 size = math.prod(self.full_shapes[n])
-                out[n] = flat[offset:offset + size].view(self.full_shapes[n]).cpu().clone()
+                out[n] = flat[offset : offset + size].view(self.full_shapes[n]).cpu().clone()
                 offset += size
         if self.stage.tied:
             out["lm_head.weight"] = out["model.embed_tokens.weight"].clone()
@@ -402,12 +449,22 @@ class Trainer:
 
     def _layout(self) -> dict:
         g = self.groups
-        return {"dp": g.dp, "tp": g.tp, "pp": g.pp, "tp_rank": g.tp_rank, "pp_rank": g.pp_rank,
-                "stage_layers": [list(x) for x in g.stage_layers]}
+        return {
+            "dp": g.dp,
+            "tp": g.tp,
+            "pp": g.pp,
+            "tp_rank": g.tp_rank,
+            "pp_rank": g.pp_rank,
+            "stage_layers": [list(x) for x in g.stage_layers],
+        }
 
     def checkpoint_state(self) -> dict:
-        return {"model": {n: p.detach().cpu().clone() for n, p in self.params.items()},
-                "optimizer": self.optimizer.state_dict(), "step": self.step, "layout": self._layout()}
+        return {
+            "model": {n: p.detach().cpu().clone() for n, p in self.params.items()},
+            "optimizer": self.optimizer.state_dict(),
+            "step": self.step,
+            "layout": self._layout(),
+        }
 
     def load_checkpoint_state(self, state: dict) -> None:
         if state.get("layout") != self._layout():

@@ -7,6 +7,7 @@ asked to, and rebuilds the state dict with HF names and shapes — bitwise what 
 A mismatch raises WeightSyncError (the rollout rank stops rather than generate with corrupted weights);
 a rollout rank that does not take its buckets within the deadline is named in a PeerTimeout.
 """
+
 from __future__ import annotations
 
 import time
@@ -21,6 +22,7 @@ WEIGHT_TAG = 21
 
 class WeightSyncError(RuntimeError):
     pass
+
 
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
@@ -40,8 +42,12 @@ def make_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list
     def close():
         if names:
             flat = torch.cat([state_dict[n].reshape(-1) for n in names])
-            meta = {"names": list(names), "shapes": [list(state_dict[n].shape) for n in names],
-                    "dtype": str(flat.dtype), "numel": flat.numel()}
+            meta = {
+                "names": list(names),
+                "shapes": [list(state_dict[n].shape) for n in names],
+                "dtype": str(flat.dtype),
+                "numel": flat.numel(),
+            }
             buckets.append((meta, flat))
 
     for name, t in state_dict.items():
@@ -65,14 +71,21 @@ class WeightSender:
         self.verify = verify
         self.in_flight: list[tuple] = []
         self.in_flight_version = -1
-        self.abandoned: list[tuple] = []          # sends to dropped ranks: gloo may still read these buffers
+        self.abandoned: list[tuple] = []  # sends to dropped ranks: gloo may still read these buffers
 
     def receivers_in_flight(self) -> set[int]:
         """Ranks the last version was sent to and whose sends have not been waited for."""
         return {dst for dst, _, _ in self.in_flight}
 
-    def send(self, channel, dst_ranks: list[int], state_dict: dict[str, torch.Tensor], version: int,
-             device: torch.device, wait_timeout_s: float | None = None) -> float:
+    def send(
+        self,
+        channel,
+        dst_ranks: list[int],
+        state_dict: dict[str, torch.Tensor],
+        version: int,
+        device: torch.device,
+        wait_timeout_s: float | None = None,
+    ) -> float:
         """Announce and send one version; first waits (up to wait_timeout_s) for the previous one to leave."""
         t0 = time.perf_counter()
         self.wait(self.timeout_s if wait_timeout_s is None else wait_timeout_s)
@@ -94,7 +107,7 @@ class WeightSender:
         closure"), so the train head first waits for the receivers' `weights_ok` over the channel and drops
         a rank that never answers (`forget`); this wait then only finds completed sends."""
         late: list[int] = []
-        for (dst, work, _) in self.in_flight:
+        for dst, work, _ in self.in_flight:
             if dst in late:
                 continue
             try:
@@ -117,15 +130,17 @@ def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> 
     state_dict = {}
     for meta in msg["buckets"]:
         flat = torch.empty(meta["numel"], dtype=DTYPES[meta["dtype"]], device=device)
-        dist.recv(flat, src=src, tag=WEIGHT_TAG)      # sent right after the announcement; PG timeout applies
+        dist.recv(flat, src=src, tag=WEIGHT_TAG)  # sent right after the announcement; PG timeout applies
         if verify and meta["checksum"] is not None and checksum(flat) != meta["checksum"]:
-            raise WeightSyncError(f"weight checksum mismatch for version {msg['version']} "
-                                  f"(bucket starting at {meta['names'][0]}): corrupted in transfer")
+            raise WeightSyncError(
+                f"weight checksum mismatch for version {msg['version']} "
+                f"(bucket starting at {meta['names'][0]}): corrupted in transfer"
+            )
         offset = 0
         for name, shape in zip(meta["names"], meta["shapes"]):
             n = 1
             for s in shape:
                 n *= s
-            state_dict[name] = flat[offset:offset + n].view(shape)
+            state_dict[name] = flat[offset : offset + n].view(shape)
             offset += n
     return state_dict

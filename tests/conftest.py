@@ -2,7 +2,6 @@ import tempfile
 
 import pytest
 import torch.distributed as dist
-
 from tiny import build_tiny_model
 
 

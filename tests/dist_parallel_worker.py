@@ -9,6 +9,7 @@ For each model and each layout (dp,tp,pp:layers per stage), ranks 0..dp*tp*pp-1 
   - parameters after one train_step of 3 PPO minibatches (3 AdamW steps, clipping) within 1e-5 relative.
 Prints one "RESULT" line per check; exit code 1 if any check failed on this rank.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -25,8 +26,9 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from parallel.groups import build_groups, make_train_plan  # noqa: E402
+from parallel.groups import build_groups  # noqa: E402
 from parallel.ppo import decoupled_ppo_loss, token_logprobs_and_entropy  # noqa: E402
+from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.tensor_parallel import slice_shard  # noqa: E402
 from parallel.trainer import Trainer, TrainerConfig  # noqa: E402
 
@@ -49,11 +51,19 @@ class Traj:
 
 def tiny_model(kind: str):
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
-    common = dict(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128,
-                  initializer_range=0.1)   # larger than HF's 0.02 so the logits are far from uniform
+
+    common = dict(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        initializer_range=0.1,
+    )  # larger than HF's 0.02 so the logits are far from uniform
     torch.manual_seed(0)
-    if kind == "qwen2":   # tied embeddings, q/k/v bias
+    if kind == "qwen2":  # tied embeddings, q/k/v bias
         cfg = Qwen2Config(**common, tie_word_embeddings=True)
     elif kind == "llama":  # GQA, untied
         cfg = LlamaConfig(**common, tie_word_embeddings=False)
@@ -73,7 +83,7 @@ def seq_logprobs(model, tr: Traj, temperature: float) -> torch.Tensor:
     ids = torch.tensor(tr.prompt_ids + tr.response_ids)[None]
     logits = model(input_ids=ids).logits[0]
     p = len(tr.prompt_ids)
-    return token_logprobs_and_entropy(logits[p - 1:-1], torch.tensor(tr.response_ids), temperature)[0]
+    return token_logprobs_and_entropy(logits[p - 1 : -1], torch.tensor(tr.response_ids), temperature)[0]
 
 
 def make_trajectories(model, n: int, temperature: float) -> list[Traj]:
@@ -85,7 +95,7 @@ def make_trajectories(model, n: int, temperature: float) -> list[Traj]:
         tr = Traj(i, 0, ids[:p], ids[p:], [], [0] * r, 0.0, float(torch.randn((), generator=g)))
         with torch.no_grad():
             lp = seq_logprobs(model, tr, temperature)
-        tr.behav_logprobs = (lp + 0.3 * torch.randn(r, generator=g)).tolist()   # stale behaviour policy
+        tr.behav_logprobs = (lp + 0.3 * torch.randn(r, generator=g)).tolist()  # stale behaviour policy
         out.append(tr)
     return out
 
@@ -96,9 +106,19 @@ def reference_minibatch_loss(model, trajs, prox, cfg: TrainerConfig) -> torch.Te
     for tr, px in zip(trajs, prox):
         lp = seq_logprobs(model, tr, cfg.temperature)
         r = len(tr.response_ids)
-        loss = loss + decoupled_ppo_loss(lp, px, torch.tensor(tr.behav_logprobs), torch.full((r,), tr.advantage),
-                                         torch.ones(r, dtype=torch.bool), cfg.clip_eps, cfg.behav_imp_weight_cap,
-                                         num_valid_tokens=n)[0]
+        loss = (
+            loss
+            + decoupled_ppo_loss(
+                lp,
+                px,
+                torch.tensor(tr.behav_logprobs),
+                torch.full((r,), tr.advantage),
+                torch.ones(r, dtype=torch.bool),
+                cfg.clip_eps,
+                cfg.behav_imp_weight_cap,
+                num_valid_tokens=n,
+            )[0]
+        )
     return loss
 
 
@@ -111,8 +131,7 @@ def reference(model, trajs, cfg: TrainerConfig):
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
-                            weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
     k = cfg.ppo_minibatches
     bounds = [round(j * len(trajs) / k) for j in range(k + 1)]
     losses = []
@@ -150,9 +169,18 @@ def main() -> int:
 
     for kind in args.models.split(","):
         model = tiny_model(kind)
-        cfg = TrainerConfig(lr=1e-3, weight_decay=0.01, eps=1e-6, grad_clip=1.0, clip_eps=0.2,
-                            behav_imp_weight_cap=3.0, recompute_prox_logprobs=True, temperature=0.9,
-                            ppo_minibatches=3, micro_batch_tokens=24)
+        cfg = TrainerConfig(
+            lr=1e-3,
+            weight_decay=0.01,
+            eps=1e-6,
+            grad_clip=1.0,
+            clip_eps=0.2,
+            behav_imp_weight_cap=3.0,
+            recompute_prox_logprobs=True,
+            temperature=0.9,
+            ppo_minibatches=3,
+            micro_batch_tokens=24,
+        )
         trajs = make_trajectories(model, 10, cfg.temperature)
         ref_loss, ref_grads, ref_losses, ref_after = reference(model, trajs, cfg)
         ref_init = {n: t.clone() for n, t in model.state_dict().items()}
@@ -160,7 +188,7 @@ def main() -> int:
             dims, split = layout.split(":")
             dp, tp, pp = (int(x) for x in dims.split(","))
             sizes = [int(x) for x in split.split("+")]
-            stage_layers = [(sum(sizes[:s]), sum(sizes[:s + 1])) for s in range(pp)]
+            stage_layers = [(sum(sizes[:s]), sum(sizes[: s + 1])) for s in range(pp)]
             groups = build_groups(make_train_plan(dp, tp, pp, stage_layers, world_size=world))
             tag = f"{kind} dp={dp} tp={tp} pp={pp} layers={split}"
             if groups.is_train:
@@ -168,16 +196,22 @@ def main() -> int:
                 trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu")
                 full = trainer.gather_full_state_dict()
                 if groups.is_train_head:
-                    same = full is not None and list(full) == list(ref_init) and all(
-                        full[n].shape == ref_init[n].shape and torch.equal(full[n], ref_init[n]) for n in ref_init)
+                    same = (
+                        full is not None
+                        and list(full) == list(ref_init)
+                        and all(
+                            full[n].shape == ref_init[n].shape and torch.equal(full[n], ref_init[n]) for n in ref_init
+                        )
+                    )
                     report(tag + " gather_bitwise", same, f"keys={len(full or {})}")
                 # 2) loss and gradient shards after one forward/backward
                 loss = trainer.compute_gradients(trajs)
                 report(tag + " loss", abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{loss:.8g} vs {ref_loss:.8g}")
                 worst, worst_name = 0.0, ""
                 for name, p in trainer.params.items():
-                    ref_name = "model.embed_tokens.weight" if (name == "lm_head.weight" and name not in ref_grads) \
-                        else name
+                    ref_name = (
+                        "model.embed_tokens.weight" if (name == "lm_head.weight" and name not in ref_grads) else name
+                    )
                     expected = slice_shard(ref_grads[ref_name], trainer.stage.shard_specs[name], groups.tp_rank, tp)
                     if p.grad.shape != expected.shape:
                         report(tag + " grad_shape", False, f"{name} {tuple(p.grad.shape)} vs {tuple(expected.shape)}")
@@ -190,8 +224,11 @@ def main() -> int:
                 trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu")
                 metrics = trainer.train_step(trajs)
                 ref_mean = sum(ref_losses) / len(ref_losses)
-                report(tag + " step_loss", abs(metrics["loss"] - ref_mean) <= TOL * abs(ref_mean),
-                       f"{metrics['loss']:.8g} vs {ref_mean:.8g} microbatches={metrics['num_microbatches']:.0f}")
+                report(
+                    tag + " step_loss",
+                    abs(metrics["loss"] - ref_mean) <= TOL * abs(ref_mean),
+                    f"{metrics['loss']:.8g} vs {ref_mean:.8g} microbatches={metrics['num_microbatches']:.0f}",
+                )
                 full = trainer.gather_full_state_dict()
                 if groups.is_train_head:
                     errs = {n: rel_err(full[n], ref_after[n]) for n in ref_after}

@@ -1,5 +1,6 @@
 """torchrun worker: the train head sends a new weight version through the real channel + weight sync;
 every rollout rank applies it with Generator.update_weights and checks its parameters bitwise."""
+
 import os
 import sys
 
@@ -19,6 +20,7 @@ def trained_weights(model, version):
 
 def main():
     from transformers import AutoModelForCausalLM
+
     from rollout import Generator
 
     dist.init_process_group("gloo")
@@ -32,18 +34,19 @@ def main():
         for version in (1, 2):
             sender.send(channel, list(range(1, world)), trained_weights(model, version), version, torch.device("cpu"))
         sender.wait(60)
-        for src, msg in channel.poll(timeout_s=60) + channel.poll(timeout_s=5):
+        for _src, msg in channel.poll(timeout_s=60) + channel.poll(timeout_s=5):
             ok &= msg["ok"]
     else:
         channel = Channel([0])
         gen = Generator(model, max_batch_size=2, max_seq_len=32)
         gen.add_request("r", [1, 2, 3], __import__("rollout").SamplingParams(max_new_tokens=20, seed=1))
-        gen.step()                                             # mid-generation, as on a real rollout rank
+        gen.step()  # mid-generation, as on a real rollout rank
         for _ in range(2):
-            (_, msg), = channel.poll(timeout_s=60)
+            ((_, msg),) = channel.poll(timeout_s=60)
             gen.update_weights(receive_weights(msg, 0, torch.device("cpu"), verify=True), msg["version"])
-            want = trained_weights(AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32),
-                                   msg["version"])
+            want = trained_weights(
+                AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), msg["version"]
+            )
             got = model.state_dict()
             same = all(torch.equal(got[k], want[k]) for k in want) and gen.version == msg["version"]
         channel.send(0, "check", ok=bool(same))

@@ -4,6 +4,7 @@ Launch-level cases run train.py for real (plain python for config errors; torchr
 the rest); checkpoint refusal, non-finite steps, weight-sync corruption, adversarial rewards and unsafe code
 patterns are checked in-process.
 """
+
 from __future__ import annotations
 
 import ast
@@ -17,7 +18,6 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from tiny import ENV, ROOT
 
 torch.set_num_threads(1)
@@ -25,8 +25,10 @@ torch.set_num_threads(1)
 
 def our_traceback(stderr: str) -> bool:
     """A traceback through hexrl's own files (torchrun's own ChildFailedError summary does not count)."""
-    return any(line.strip().startswith("File ") and str(ROOT) in line and "site-packages" not in line
-               for line in stderr.splitlines())
+    return any(
+        line.strip().startswith("File ") and str(ROOT) in line and "site-packages" not in line
+        for line in stderr.splitlines()
+    )
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -35,16 +37,27 @@ def error_lines(stderr: str) -> list[str]:
 
 def start(args: list[str], nproc: int = 0, cwd: Path = ROOT) -> subprocess.Popen:
     launcher = ["-m", "torch.distributed.run", f"--nproc_per_node={nproc}", "--standalone"] if nproc else []
-    return subprocess.Popen([sys.executable, *launcher, "train.py", *args], cwd=cwd, env=ENV,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, *launcher, "train.py", *args],
+        cwd=cwd,
+        env=ENV,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def test_config_errors_without_launcher():
-    procs = {"unknown": start(["train.lrr=1e-5"]), "typed": start(["train.total_steps=many"]),
-             "not_kv": start(["--fast"])}
-    expected = {"unknown": "[rank 0] error: unknown config key 'train.lrr'; did you mean 'train.lr'?",
-                "typed": "[rank 0] error: config key 'train.total_steps' expects int, got 'many'",
-                "not_kv": "[rank 0] error: argument '--fast' is not of the form key=value"}
+    procs = {
+        "unknown": start(["train.lrr=1e-5"]),
+        "typed": start(["train.total_steps=many"]),
+        "not_kv": start(["--fast"]),
+    }
+    expected = {
+        "unknown": "[rank 0] error: unknown config key 'train.lrr'; did you mean 'train.lr'?",
+        "typed": "[rank 0] error: config key 'train.total_steps' expects int, got 'many'",
+        "not_kv": "[rank 0] error: argument '--fast' is not of the form key=value",
+    }
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=120)
         assert proc.returncode == 2, (name, err[-2000:])
@@ -54,14 +67,20 @@ def test_config_errors_without_launcher():
 def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
     """Each: exactly one error line (rank 0), torchrun fails, no hexrl traceback, nothing written to a run dir."""
     bad_plan = tmp_path / "plan8.json"
-    from parallel.groups import make_train_plan
+    from parallel.rankmap import make_train_plan
+
     bad_plan.write_text(json.dumps(make_train_plan(4, 1, 1, [(0, 2)], world_size=8)))
     bad_rows = tmp_path / "rows.jsonl"
     rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(6)]
-    rows[3] = {"question": "What is 3+1?"}                                  # the answer field is missing
+    rows[3] = {"question": "What is 3+1?"}  # the answer field is missing
     bad_rows.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    common = [f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'runs'}", "logging.run_name=r",
-              "logging.progress=false", "plan.timeout_s=60"]
+    common = [
+        f"model.path={tiny_model_dir}",
+        f"logging.run_dir={tmp_path / 'runs'}",
+        "logging.run_name=r",
+        "logging.progress=false",
+        "plan.timeout_s=60",
+    ]
     cases = {
         "world": ([f"plan={bad_plan}"], "rank map is for world_size=8 but torchrun started 2 ranks"),
         "roles": (["plan.num_rollout=2"], "plan.num_rollout=2 leaves no rollout or no train rank in a world of 2"),
@@ -72,7 +91,7 @@ def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
     procs = {}
     for name, (extra, _) in cases.items():
         procs[name] = start([*common[:2], f"logging.run_name={name}", *common[3:], *extra], nproc=2)
-        time.sleep(1.0)                              # stagger the rendezvous ports / imports a little
+        time.sleep(1.0)  # stagger the rendezvous ports / imports a little
     for name, proc in procs.items():
         _, err = proc.communicate(timeout=240)
         lines = error_lines(err)
@@ -80,30 +99,43 @@ def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
         assert len(lines) == 1 and lines[0].startswith("[rank 0] error: "), (name, err[-3000:])
         assert cases[name][1] in lines[0], (name, lines)
         assert not our_traceback(err), (name, err[-3000:])
-        assert not (tmp_path / "runs" / name / "ledger.jsonl").exists() or \
-            (tmp_path / "runs" / name / "ledger.jsonl").stat().st_size == 0, name
+        assert (
+            not (tmp_path / "runs" / name / "ledger.jsonl").exists()
+            or (tmp_path / "runs" / name / "ledger.jsonl").stat().st_size == 0
+        ), name
 
 
 def test_bad_plan_files_are_one_line(tmp_path, tiny_model_dir):
     """A plan that is unreadable, or readable but inconsistent (parallel/groups.py's checks), fails the same way on
     every rank: rank 0 reports it once, in the whole output of a 2-rank run, without a traceback."""
-    from parallel.groups import make_train_plan
+    from parallel.rankmap import make_train_plan
+
     not_json = tmp_path / "not_json.json"
     not_json.write_text('{"world_size": 2, "ranks": [')
     bad_role = make_train_plan(1, 1, 1, [(0, 2)], world_size=2)
     bad_role["ranks"][1]["role"] = "generate"
     bad_layout = make_train_plan(1, 1, 1, [(0, 2)], world_size=2)
-    bad_layout["ranks"][1].update(role="train", dp=0, tp=0, pp=0, layers=[0, 2])   # 2 train ranks, dp*tp*pp = 1
+    bad_layout["ranks"][1].update(role="train", dp=0, tp=0, pp=0, layers=[0, 2])  # 2 train ranks, dp*tp*pp = 1
     for name, plan in (("bad_role", bad_role), ("bad_layout", bad_layout)):
         (tmp_path / f"{name}.json").write_text(json.dumps(plan))
-    cases = {"not_json": f"plan file '{not_json}' is not valid JSON",
-             "bad_role": "plan rank roles must be 'train' or 'rollout', got {1: 'generate'}",
-             "bad_layout": "plan has 2 train ranks but dp*tp*pp = 1*1*1 = 1"}
+    cases = {
+        "not_json": f"plan file '{not_json}' is not valid JSON",
+        "bad_role": "plan rank roles must be 'train' or 'rollout', got {1: 'generate'}",
+        "bad_layout": "plan has 2 train ranks but dp*tp*pp = 1*1*1 = 1",
+    }
     procs = {}
     for name in cases:
-        procs[name] = start([f"model.path={tiny_model_dir}", f"logging.run_dir={tmp_path / 'runs'}",
-                             f"logging.run_name={name}", "logging.progress=false", "plan.timeout_s=60",
-                             f"plan={tmp_path / f'{name}.json'}"], nproc=2)
+        procs[name] = start(
+            [
+                f"model.path={tiny_model_dir}",
+                f"logging.run_dir={tmp_path / 'runs'}",
+                f"logging.run_name={name}",
+                "logging.progress=false",
+                "plan.timeout_s=60",
+                f"plan={tmp_path / f'{name}.json'}",
+            ],
+            nproc=2,
+        )
         time.sleep(1.0)
     for name, proc in procs.items():
         out, err = proc.communicate(timeout=240)
@@ -111,14 +143,17 @@ def test_bad_plan_files_are_one_line(tmp_path, tiny_model_dir):
         assert proc.returncode != 0, name
         assert combined.count(cases[name]) == 1, (name, combined[-3000:])
         lines = error_lines(combined)
-        assert len(lines) == 1 and lines[0].startswith("[rank 0] error: ") and cases[name] in lines[0], \
-            (name, combined[-3000:])
+        assert len(lines) == 1 and lines[0].startswith("[rank 0] error: ") and cases[name] in lines[0], (
+            name,
+            combined[-3000:],
+        )
         assert not our_traceback(combined), (name, combined[-3000:])
 
 
 def test_bad_rows_skip_is_counted(tmp_path):
     from config import DataConfig
     from tasks import load_task
+
     path = tmp_path / "rows.jsonl"
     rows = [{"question": f"What is {i}+1?", "answer": f"#### {i + 1}"} for i in range(10)]
     rows[2] = {"answer": "#### 3"}
@@ -128,7 +163,7 @@ def test_bad_rows_skip_is_counted(tmp_path):
         chat_template = None
 
     train, test = load_task(DataConfig(task=str(path), on_bad_row="skip", num_test=0), Tok())
-    assert len(train) + len(test) == 9                  # the two bad rows are skipped, every good one kept
+    assert len(train) + len(test) == 9  # the two bad rows are skipped, every good one kept
     assert len({r["prompt_id"] for r in train + test}) == 9
 
 
@@ -146,21 +181,37 @@ def test_resume_refuses_other_config_and_incomplete_checkpoints(tmp_path):
         if complete:
             (d / "COMPLETE").write_text("")
     (run / "checkpoints" / ".tmp_step_8").mkdir()
-    assert latest_complete(run) == run / "checkpoints" / "step_4"    # the incomplete and temp dirs never count
+    assert latest_complete(run) == run / "checkpoints" / "step_4"  # the incomplete and temp dirs never count
 
-    cfg = load_config([f"logging.run_dir={tmp_path}", "logging.run_name=r", "resume=auto", "train.lr=3e-4",
-                       "max_staleness=2", "train.total_steps=999"])   # total_steps may change on resume
+    cfg = load_config(
+        [
+            f"logging.run_dir={tmp_path}",
+            "logging.run_name=r",
+            "resume=auto",
+            "train.lr=3e-4",
+            "max_staleness=2",
+            "train.total_steps=999",
+        ]
+    )  # total_steps may change on resume
     assert find_resume(cfg) == run / "checkpoints" / "step_4"
     assert load_head_state(find_resume(cfg), cfg)["version"] == 4
-    other = load_config([f"logging.run_dir={tmp_path}", "logging.run_name=r", "resume=auto", "train.lr=1e-4",
-                         "max_staleness=2", "train.seed=7"])
+    other = load_config(
+        [
+            f"logging.run_dir={tmp_path}",
+            "logging.run_name=r",
+            "resume=auto",
+            "train.lr=1e-4",
+            "max_staleness=2",
+            "train.seed=7",
+        ]
+    )
     with pytest.raises(CheckpointError, match=r"different config: staleness|train\.lr .*3e-4|train\.lr") as e:
         load_head_state(find_resume(other), other)
     assert "train.lr (checkpoint 0.0003, now 0.0001)" in str(e.value) and "train.seed" in str(e.value)
     with pytest.raises(CheckpointError, match="incomplete"):
         find_resume(load_config([f"resume={run / 'checkpoints' / 'step_6'}"]))
     empty = load_config([f"logging.run_dir={tmp_path}", "logging.run_name=fresh", "resume=auto"])
-    assert find_resume(empty) is None                                  # resume=auto on a new run starts fresh
+    assert find_resume(empty) is None  # resume=auto on a new run starts fresh
 
     (run / "ledger.jsonl").write_text("a\nb\nc\n")
     assert truncate_logs(run, {"ledger.jsonl": 4}) == {"ledger.jsonl": 2}
@@ -177,7 +228,8 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     from checkpoint import CheckpointWriter
     from config import load_config
     from parallel.channel import Channel
-    from parallel.groups import build_groups, make_train_plan
+    from parallel.groups import build_groups
+    from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer, TrainerConfig
     from runlog import RunLog
     from train import NonFiniteError, TrainHead
@@ -185,14 +237,40 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     model = tiny_model("llama")
     groups = build_groups(make_train_plan(1, 1, 1, [(0, model.config.num_hidden_layers)]))
     trainer = Trainer(copy.deepcopy(model), groups, TrainerConfig(lr=1e-2, micro_batch_tokens=64), "cpu")
-    trajs = [Trajectory(prompt_id=t.prompt_id, sample_idx=i % 2, prompt_ids=t.prompt_ids, response_ids=t.response_ids,
-                        behav_logprobs=t.behav_logprobs, versions=[0] * len(t.response_ids), reward=float(i % 2),
-                        group_id=i // 2) for i, t in enumerate(make_trajectories(model, 4, 1.0))]
-    cfg = load_config(["train.max_nonfinite_steps=2", "train.prompts_per_step=2", "rollout.samples_per_prompt=2",
-                       "logging.progress=false", "logging.wandb=disabled"])
+    trajs = [
+        Trajectory(
+            prompt_id=t.prompt_id,
+            sample_idx=i % 2,
+            prompt_ids=t.prompt_ids,
+            response_ids=t.response_ids,
+            behav_logprobs=t.behav_logprobs,
+            versions=[0] * len(t.response_ids),
+            reward=float(i % 2),
+            group_id=i // 2,
+        )
+        for i, t in enumerate(make_trajectories(model, 4, 1.0))
+    ]
+    cfg = load_config(
+        [
+            "train.max_nonfinite_steps=2",
+            "train.prompts_per_step=2",
+            "rollout.samples_per_prompt=2",
+            "logging.progress=false",
+            "logging.wandb=disabled",
+        ]
+    )
     log = RunLog(cfg, tmp_path, {})
-    head = TrainHead(cfg, groups, trainer, [{"prompt_id": 0}], [], log, torch.device("cpu"), Channel([]),
-                     CheckpointWriter(tmp_path, 2, None, None))
+    head = TrainHead(
+        cfg,
+        groups,
+        trainer,
+        [{"prompt_id": 0}],
+        [],
+        log,
+        torch.device("cpu"),
+        Channel([]),
+        CheckpointWriter(tmp_path, 2, None, None),
+    )
     head.buffer.version = 1
 
     def batch(ts):
@@ -200,7 +278,7 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
 
     before = {n: p.detach().clone() for n, p in trainer.params.items()}
     poisoned = [copy.deepcopy(t) for t in trajs]
-    poisoned[1].behav_logprobs[0] = math.nan                   # a non-finite input: no train step at all
+    poisoned[1].behav_logprobs[0] = math.nan  # a non-finite input: no train step at all
     stats, updated = head.train_on(batch(poisoned))
     assert not updated and stats["nonfinite_skipped"] == 1
     head.check_finite(updated)
@@ -216,9 +294,9 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
         assert not updated and not math.isfinite(stats["grad_norm"])
         head.check_finite(updated)
     assert all(torch.equal(p, poisoned_before[n]) for n, p in trainer.params.items())
-    assert not trainer.optimizer.state                        # AdamW moments never saw a NaN
+    assert not trainer.optimizer.state  # AdamW moments never saw a NaN
 
-    with torch.no_grad():                                      # healthy again: a real update, the streak resets
+    with torch.no_grad():  # healthy again: a real update, the streak resets
         trainer.params[name].copy_(before[name])
     stats, updated = head.train_on(batch(trajs))
     assert updated and math.isfinite(stats["loss"])
@@ -227,9 +305,9 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.params.items())
     log.close()
     ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
-    assert [e["updated"] for e in ledger] == [False] * 4 + [False] * 4 + [True] * 4   # every batch accounted for
+    assert [e["updated"] for e in ledger] == [False] * 4 + [False] * 4 + [True] * 4  # every batch accounted for
     metrics = (tmp_path / "metrics.jsonl").read_text()
-    assert "NaN" not in metrics                                # strict JSON: non-finite values are null
+    assert "NaN" not in metrics  # strict JSON: non-finite values are null
 
 
 # ---------------------------------------------------------------------------------------------- weights, rewards, code
@@ -238,10 +316,10 @@ def test_corrupted_weights_are_refused(monkeypatch):
     from parallel.weight_sync import WeightSyncError, checksum, make_buckets, receive_weights
 
     sd = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(5)}
-    (meta, flat), = make_buckets(sd, 1 << 20)
+    ((meta, flat),) = make_buckets(sd, 1 << 20)
     msg = {"version": 7, "buckets": [{**meta, "checksum": checksum(flat)}]}
     corrupted = flat.clone()
-    corrupted[5] = torch.nextafter(corrupted[5], torch.tensor(math.inf))   # one ulp of one weight
+    corrupted[5] = torch.nextafter(corrupted[5], torch.tensor(math.inf))  # one ulp of one weight
 
     def fake_recv(payload):
         monkeypatch.setattr(weight_sync.dist, "recv", lambda t, src, tag: t.copy_(payload))
@@ -256,11 +334,18 @@ def test_corrupted_weights_are_refused(monkeypatch):
 
 def test_adversarial_model_outputs_score_zero_in_bounded_time():
     from reward_math import score, warm_up
-    attacks = ["\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}", "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
-               "x" * 1_000_000 + "\\boxed{4}", "\\boxed{" + "1" * 100_000 + "}",
-               "\\boxed{__import__('os').system('echo pwned')}", "\\boxed{\\frac{1}{0}}", "\x00\\boxed{}"]
+
+    attacks = [
+        "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
+        "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
+        "x" * 1_000_000 + "\\boxed{4}",
+        "\\boxed{" + "1" * 100_000 + "}",
+        "\\boxed{__import__('os').system('echo pwned')}",
+        "\\boxed{\\frac{1}{0}}",
+        "\x00\\boxed{}",
+    ]
     for text in attacks:
-        warm_up()     # a previous attack may have had the worker killed: time the call, not a worker's startup
+        warm_up()  # a previous attack may have had the worker killed: time the call, not a worker's startup
         t0 = time.perf_counter()
         assert score(text, "4") == 0.0, text[:60]
         assert time.perf_counter() - t0 < 10.0, text[:60]
@@ -284,13 +369,23 @@ def test_no_eval_or_exec_and_only_safe_torch_load():
             f = node.func
             if isinstance(f, ast.Name) and f.id in ("eval", "exec"):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} {f.id}()")
-            if isinstance(f, ast.Attribute) and f.attr == "load" and isinstance(f.value, ast.Name) \
-                    and f.value.id == "torch":
-                safe = any(k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
-                           for k in node.keywords)
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr == "load"
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "torch"
+            ):
+                safe = any(
+                    k.arg == "weights_only" and isinstance(k.value, ast.Constant) and k.value.value is True
+                    for k in node.keywords
+                )
                 if not safe:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} torch.load without weights_only=True")
-            if isinstance(f, ast.Attribute) and f.attr in ("loads", "load") and isinstance(f.value, ast.Name) \
-                    and f.value.id == "pickle":
+            if (
+                isinstance(f, ast.Attribute)
+                and f.attr in ("loads", "load")
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "pickle"
+            ):
                 offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} pickle.{f.attr}")
     assert not offenders, offenders

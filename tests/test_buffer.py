@@ -1,10 +1,12 @@
 """Staleness buffer: the per-token bound, exactly-once consumption and progress under any completion order."""
+
 import random
 import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings, strategies as st, target
+from hypothesis import given, settings, target
+from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from buffer import StalenessBuffer, StalenessError, Trajectory, group_advantages
@@ -18,19 +20,28 @@ def fake_group(ticket, version_now, G=2, first_version=None):
     # rollout); by default those are the admission version's
     first = ticket.admit_version if first_version is None else first_version
     versions = sorted(random.Random(ticket.group_id).choice(range(first, version_now + 1)) for _ in range(3))
-    return [Trajectory(ticket.prompt_id, s, [1], [2, 3, 4], [0.0] * 3, versions, 1.0, group_id=ticket.group_id)
-            for s in range(G)]
+    return [
+        Trajectory(ticket.prompt_id, s, [1], [2, 3, 4], [0.0] * 3, versions, 1.0, group_id=ticket.group_id)
+        for s in range(G)
+    ]
 
 
 @settings(max_examples=300, deadline=None)
-@given(B=st.integers(1, 5), eta=st.integers(0, 4), ranks=st.integers(1, 3),
-       ops=st.lists(st.tuples(st.sampled_from(["admit", "finish", "train", "lose", "send_weights"]),
-                              st.integers(0, 10**6)), min_size=1, max_size=200))
+@given(
+    B=st.integers(1, 5),
+    eta=st.integers(0, 4),
+    ranks=st.integers(1, 3),
+    ops=st.lists(
+        st.tuples(st.sampled_from(["admit", "finish", "train", "lose", "send_weights"]), st.integers(0, 10**6)),
+        min_size=1,
+        max_size=200,
+    ),
+)
 def test_random_interleavings_keep_every_invariant(B, eta, ranks, ops):
     buf = StalenessBuffer(B, eta)
     prompt_counter = 0
     weights_at_admission: dict[int, int] = {}  # group -> the newest weights the rollout ranks held when admitted
-    consumed: list[tuple[int, int]] = []       # (group_id, sample) in consumption order
+    consumed: list[tuple[int, int]] = []  # (group_id, sample) in consumption order
     finished: set[int] = set()
     for op, x in ops:
         if op == "send_weights":
@@ -43,8 +54,9 @@ def test_random_interleavings_keep_every_invariant(B, eta, ranks, ops):
             assert (buf.num_admitted - 1) // B <= buf.version + eta
         elif op == "finish" and buf.in_flight:
             gid = sorted(buf.in_flight)[x % len(buf.in_flight)]
-            buf.complete(gid, fake_group(buf.in_flight[gid], buf.weights_version,
-                                         first_version=weights_at_admission[gid]))
+            buf.complete(
+                gid, fake_group(buf.in_flight[gid], buf.weights_version, first_version=weights_at_admission[gid])
+            )
             finished.add(gid)
         elif op == "lose" and buf.in_flight:
             buf.requeue_rank(x % ranks)
@@ -52,7 +64,7 @@ def test_random_interleavings_keep_every_invariant(B, eta, ranks, ops):
             v = buf.version
             batch = buf.take()
             assert len(batch) == B and buf.version == v + 1
-            for ticket, trajs in batch:
+            for _ticket, trajs in batch:
                 for t in trajs:
                     assert v - min(t.versions) <= eta, "a token older than v - eta was trained"
                     consumed.append((t.group_id, t.sample_idx))
@@ -83,12 +95,12 @@ def test_eta_zero_is_synchronous():
     buf = StalenessBuffer(2, 0)
     buf.weights_sent(0)
     a, b = buf.admit(0, 0), buf.admit(1, 0)
-    assert buf.capacity() == 0                   # exactly one batch may be in flight
+    assert buf.capacity() == 0  # exactly one batch may be in flight
     buf.complete(a.group_id, fake_group(a, 0))
-    assert not buf.ready()                       # must wait for the whole batch of this version
+    assert not buf.ready()  # must wait for the whole batch of this version
     buf.complete(b.group_id, fake_group(b, 0))
     batch = buf.take()
-    assert [t.admit_version for t, _ in batch] == [0, 0] and buf.capacity() == 0   # until version 1 is out
+    assert [t.admit_version for t, _ in batch] == [0, 0] and buf.capacity() == 0  # until version 1 is out
     buf.weights_sent(1)
     assert buf.capacity() == 2
 
@@ -96,10 +108,10 @@ def test_eta_zero_is_synchronous():
 def test_oldest_first_and_must_wait_for_stale_groups():
     buf = StalenessBuffer(1, 1)
     buf.weights_sent(0)
-    g0 = buf.admit(0, 0)                         # admitted at v=0
+    g0 = buf.admit(0, 0)  # admitted at v=0
     g1 = buf.admit(1, 0)
     buf.complete(g1.group_id, fake_group(g1, 0))
-    buf.take()                                   # v: 0 -> 1, consumed g1 (only finished one)
+    buf.take()  # v: 0 -> 1, consumed g1 (only finished one)
     assert buf.version == 1
     buf.weights_sent(1)
     g2 = buf.admit(2, 0)
@@ -118,10 +130,10 @@ def test_lost_rank_groups_are_requeued_and_checkpoint_roundtrip():
     lost = buf.requeue_rank(1)
     assert lost == [1, 3] and buf.capacity() == 6 - 2
     again = buf.admit(99, rank=0)
-    assert (again.group_id, again.prompt_id) == (1, 1)         # same group, same prompt, not a new one
+    assert (again.group_id, again.prompt_id) == (1, 1)  # same group, same prompt, not a new one
     state = buf.state_dict()
     restored = StalenessBuffer.from_state_dict(state)
-    assert restored.capacity() == 0              # nothing is admitted before the restored weights are sent
+    assert restored.capacity() == 0  # nothing is admitted before the restored weights are sent
     # in-flight groups of the checkpoint come back as re-queued work; completed ones stay
     assert sorted(t.group_id for t in restored.requeued) == [1, 2, 3]
     assert set(restored.completed) == {0}
@@ -141,8 +153,12 @@ class BufferMachine(RuleBasedStateMachine):
 
     batch_sizes = [1, 2, 8, 64]
 
-    @initialize(data=st.data(), eta=st.sampled_from([0, 1, 2, 4, 8]), ranks=st.integers(1, 3),
-                order=st.sampled_from(["deadline", "deadline", "admission"]))
+    @initialize(
+        data=st.data(),
+        eta=st.sampled_from([0, 1, 2, 4, 8]),
+        ranks=st.integers(1, 3),
+        order=st.sampled_from(["deadline", "deadline", "admission"]),
+    )
     def start(self, data, eta, ranks, order):
         B = data.draw(st.sampled_from(self.batch_sizes), label="B")
         self.buf = StalenessBuffer(B, eta, consume_order=order)
@@ -152,7 +168,7 @@ class BufferMachine(RuleBasedStateMachine):
         self.least_slack = 10**9
 
     def teardown(self):
-        if hasattr(self, "least_slack"):             # steer the search to tight deadlines, where bugs live
+        if hasattr(self, "least_slack"):  # steer the search to tight deadlines, where bugs live
             target(-self.least_slack, label="deadline pressure")
 
     @rule()
@@ -171,15 +187,19 @@ class BufferMachine(RuleBasedStateMachine):
             self.produced_from[t.group_id] = self.buf.weights_version
 
     @precondition(lambda self: self.buf.in_flight)
-    @rule(which=st.sampled_from(["oldest", "youngest", "any"]), size=st.sampled_from(["one", "half", "batch"]),
-          pick=st.integers(0, 10**6))
+    @rule(
+        which=st.sampled_from(["oldest", "youngest", "any"]),
+        size=st.sampled_from(["one", "half", "batch"]),
+        pick=st.integers(0, 10**6),
+    )
     def complete(self, which, size, pick):
         for _ in range(min(self.count(size), len(self.buf.in_flight))):
             flying = sorted(self.buf.in_flight)
             g = flying[0] if which == "oldest" else flying[-1] if which == "youngest" else flying[pick % len(flying)]
             versions = list(range(self.produced_from[g], self.buf.weights_version + 1))
-            self.buf.complete(g, [Trajectory(0, 0, [1], [2] * len(versions), [0.0] * len(versions), versions, 0.0,
-                                             group_id=g)])
+            self.buf.complete(
+                g, [Trajectory(0, 0, [1], [2] * len(versions), [0.0] * len(versions), versions, 0.0, group_id=g)]
+            )
 
     @precondition(lambda self: self.buf.in_flight)
     @rule(rank=st.integers(0, 2))
@@ -212,8 +232,10 @@ class BufferMachine(RuleBasedStateMachine):
         """The batches at v, v+1, ..., d can hold every outstanding group due by d (admitted at <= d - eta)."""
         buf, v = self.buf, self.buf.version
         outstanding = [*buf.in_flight.values(), *(t for t, _ in buf.completed.values())]
-        slack = min((d - v + 1) * self.B - sum(t.admit_version + self.eta <= d for t in outstanding)
-                    for d in range(v, v + self.eta + 1))
+        slack = min(
+            (d - v + 1) * self.B - sum(t.admit_version + self.eta <= d for t in outstanding)
+            for d in range(v, v + self.eta + 1)
+        )
         self.least_slack = min(self.least_slack, slack)
         assert slack >= 0, f"some deadline can no longer be met at v={v}"
 
@@ -222,9 +244,11 @@ class BufferMachine(RuleBasedStateMachine):
         """Not ready => finishing what is in flight makes a batch ready, or admission can go on."""
         if self.buf.ready():
             return
-        buf = self.buf                               # the same buffer with every in-flight group finished
+        buf = self.buf  # the same buffer with every in-flight group finished
         after = StalenessBuffer(self.B, self.eta, buf.version, buf.num_admitted, buf.next_group_id, buf.consume_order)
-        after.completed = {t.group_id: (t, []) for t in [*buf.in_flight.values(), *(t for t, _ in buf.completed.values())]}
+        after.completed = {
+            t.group_id: (t, []) for t in [*buf.in_flight.values(), *(t for t, _ in buf.completed.values())]
+        }
         if not after.ready():
             outstanding = len(after.completed)
             after.weights_sent(after.version)
@@ -232,7 +256,7 @@ class BufferMachine(RuleBasedStateMachine):
 
 
 class SmallBatchMachine(BufferMachine):
-    batch_sizes = [1, 2]                             # where one group more or less decides a deadline
+    batch_sizes = [1, 2]  # where one group more or less decides a deadline
 
 
 class LargeBatchMachine(BufferMachine):
@@ -251,12 +275,12 @@ def test_younger_group_may_not_starve_older_ones_of_their_deadline():
     buf.weights_sent(0)
     g0, g1, g2 = (buf.admit(p, 0) for p in range(3))
     buf.complete(g2.group_id, [])
-    assert buf.ready()                           # g2 ahead of g0, g1: both still fit in v = 1 and v = 2
+    assert buf.ready()  # g2 ahead of g0, g1: both still fit in v = 1 and v = 2
     assert [t.group_id for t, _ in buf.take()] == [g2.group_id]
     buf.weights_sent(1)
     g3 = buf.admit(3, 0)
     buf.complete(g3.group_id, [])
-    assert not buf.ready()                       # taking g3 now would leave g0 and g1 both due at v = 2
+    assert not buf.ready()  # taking g3 now would leave g0 and g1 both due at v = 2
     buf.complete(g0.group_id, [])
     buf.complete(g1.group_id, [])
     assert [t.group_id for t, _ in buf.take()] == [g0.group_id]
@@ -271,7 +295,7 @@ def test_admission_order_waits_for_the_oldest_groups():
     buf.weights_sent(0)
     g0, g1 = buf.admit(0, 0), buf.admit(1, 0)
     buf.complete(g1.group_id, [])
-    assert not buf.ready()                       # the deadline rule would take g1 here
+    assert not buf.ready()  # the deadline rule would take g1 here
     buf.complete(g0.group_id, [])
     assert [t.group_id for t, _ in buf.take()] == [g0.group_id]
 
@@ -290,14 +314,14 @@ def test_completion_order_is_plain_areal():
         g2 = buf.admit(2, 0)
         buf.complete(g2.group_id, [])
         if order == "deadline":
-            assert not buf.ready()               # g0 is due at v = 1
+            assert not buf.ready()  # g0 is due at v = 1
             buf.complete(g0.group_id, [])
-            trained_staleness[order] = [1 - t.admit_version for t, _ in buf.take()]     # trained at v = 1
+            trained_staleness[order] = [1 - t.admit_version for t, _ in buf.take()]  # trained at v = 1
             continue
         assert [t.group_id for t, _ in buf.take()] == [g2.group_id]
         buf.weights_sent(2)
         buf.complete(g0.group_id, [])
-        trained_staleness[order] = [2 - t.admit_version for t, _ in buf.take()]         # trained at v = 2
+        trained_staleness[order] = [2 - t.admit_version for t, _ in buf.take()]  # trained at v = 2
     assert trained_staleness == {"completion": [2], "deadline": [1]}
 
 
@@ -308,7 +332,7 @@ def test_bad_arguments_and_misuse_raise_one_error_type():
         StalenessBuffer(0, 1)
     buf = StalenessBuffer(1, 0)
     with pytest.raises(StalenessError, match="capacity is 0"):
-        buf.admit(0, 0)                          # the weights of version 0 were never sent
+        buf.admit(0, 0)  # the weights of version 0 were never sent
     buf.weights_sent(0)
     buf.admit(0, 0)
     with pytest.raises(StalenessError, match="not in flight"):

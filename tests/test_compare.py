@@ -1,17 +1,23 @@
 """exp/compare.py on synthetic run directories: table values, grouping, plots, W&B adapter, bad input."""
+
 from __future__ import annotations
 
 import json
 import math
 
+import compare  # exp/ is on sys.path via tests/tiny.py (conftest imports it)
 import pytest
 import yaml
 
-import compare  # exp/ is on sys.path via tests/tiny.py (conftest imports it)
 
-
-def write_run(root, name: str, eta: int, steps: list[dict], evals: list[tuple[int, float, float]],
-              ledger: list[tuple[int, int]] | None = None):
+def write_run(
+    root,
+    name: str,
+    eta: int,
+    steps: list[dict],
+    evals: list[tuple[int, float, float]],
+    ledger: list[tuple[int, int]] | None = None,
+):
     """A run dir as runlog.py writes it; `evals` are (step, time, accuracy); `ledger` (trainer_version, min_version)."""
     d = root / name
     d.mkdir(parents=True)
@@ -20,28 +26,65 @@ def write_run(root, name: str, eta: int, steps: list[dict], evals: list[tuple[in
     lines += [{"time": 1.0 + i, "loss": 0.1, **rec} for i, rec in enumerate(steps)]
     (d / "metrics.jsonl").write_text("".join(json.dumps(x) + "\n" for x in lines))
     if ledger is not None:
-        (d / "ledger.jsonl").write_text("".join(json.dumps(
-            {"prompt_id": 0, "group_id": 0, "sample_idx": i, "min_version": mv, "max_version": mv,
-             "trainer_version": tv, "step": tv + 1}) + "\n" for i, (tv, mv) in enumerate(ledger)))
+        (d / "ledger.jsonl").write_text(
+            "".join(
+                json.dumps(
+                    {
+                        "prompt_id": 0,
+                        "group_id": 0,
+                        "sample_idx": i,
+                        "min_version": mv,
+                        "max_version": mv,
+                        "trainer_version": tv,
+                        "step": tv + 1,
+                    }
+                )
+                + "\n"
+                for i, (tv, mv) in enumerate(ledger)
+            )
+        )
     return d
 
 
 def step(k: int, tokens: float, step_s: float, stale_mean: float = 0.0, stale_max: int = 0, **extra) -> dict:
-    return {"step": k, "trained_tokens": tokens, "step_s": step_s, "trained_tokens_per_s": tokens / step_s,
-            "generated_tokens_per_s": 2 * tokens / step_s, "staleness_mean": stale_mean, "staleness_max": stale_max,
-            "reward_mean": 0.1 * k, "weight_sync_s": 0.01 * k, "rollout_idle_frac": 0.5 / k,
-            "trainer_idle_frac": 0.4 / k, "elapsed_s": float(k), **extra}
+    return {
+        "step": k,
+        "trained_tokens": tokens,
+        "step_s": step_s,
+        "trained_tokens_per_s": tokens / step_s,
+        "generated_tokens_per_s": 2 * tokens / step_s,
+        "staleness_mean": stale_mean,
+        "staleness_max": stale_max,
+        "reward_mean": 0.1 * k,
+        "weight_sync_s": 0.01 * k,
+        "rollout_idle_frac": 0.5 / k,
+        "trainer_idle_frac": 0.4 / k,
+        "elapsed_s": float(k),
+        **extra,
+    }
 
 
 @pytest.fixture
 def sweep(tmp_path):
     root = tmp_path / "sweep"
     # eta0: warm-up step 1 is slow; steady state steps 2..3 give (100 + 300) / (1 + 3) = 100 tok/s
-    write_run(root, "eta0", 0, [step(1, 50, 10.0), step(2, 100, 1.0), step(3, 300, 3.0)],
-              [(0, 0.5, 0.1), (3, 9.0, 0.3)], ledger=[(0, 0), (1, 1), (2, 2)])
+    write_run(
+        root,
+        "eta0",
+        0,
+        [step(1, 50, 10.0), step(2, 100, 1.0), step(3, 300, 3.0)],
+        [(0, 0.5, 0.1), (3, 9.0, 0.3)],
+        ledger=[(0, 0), (1, 1), (2, 2)],
+    )
     # eta4: steady state (400 + 400) / (2 + 2) = 200 tok/s; best accuracy is not the last one
-    write_run(root, "eta4", 4, [step(1, 50, 10.0), step(2, 400, 2.0, 1.5, 2), step(3, 400, 2.0, 0.5, 3)],
-              [(0, 0.5, 0.2), (2, 5.0, 0.6), (3, 9.0, 0.4)], ledger=[(1, 0), (2, 0), (2, 1), (2, 2)])
+    write_run(
+        root,
+        "eta4",
+        4,
+        [step(1, 50, 10.0), step(2, 400, 2.0, 1.5, 2), step(3, 400, 2.0, 0.5, 3)],
+        [(0, 0.5, 0.2), (2, 5.0, 0.6), (3, 9.0, 0.4)],
+        ledger=[(1, 0), (2, 0), (2, 1), (2, 2)],
+    )
     return root
 
 
@@ -74,8 +117,8 @@ def test_grouped_table_and_ratio(sweep, tmp_path):
     rows = [[c.strip() for c in line.strip("|").split("|")] for line in table[2:]]
     assert [r[1] for r in rows] == ["0", "4"] and [r[2] for r in rows] == ["1", "2"]
     tok = table[0].strip("|").split("|").index(" tok/s ")
-    assert float(rows[1][tok]) == pytest.approx((200 + 300) / 2)   # group mean over eta4 and eta4b
-    assert float(rows[1][-1]) == pytest.approx(2.5)                # vs the eta=0 group's 100 tok/s
+    assert float(rows[1][tok]) == pytest.approx((200 + 300) / 2)  # group mean over eta4 and eta4b
+    assert float(rows[1][-1]) == pytest.approx(2.5)  # vs the eta=0 group's 100 tok/s
     assert rows[0][3] == "3" and rows[0][0] == "eta0"
 
 
@@ -105,13 +148,13 @@ def test_wandb_adapter_with_fake_api():
         name, id = "w1", "abc"
         config = {"staleness": {"max_staleness": 2}, "_wandb": {"x": 1}}
 
-        def scan_history(self):   # rows as RunLog logs them: the trainer step is a field, _step is W&B's counter
+        def scan_history(self):  # rows as RunLog logs them: the trainer step is a field, _step is W&B's counter
             yield {"_step": 0, "_runtime": 1.0, "trainer_step": 0, "time": 0.5, "eval_accuracy": 0.25}
             yield {"_step": 1, "trainer_step": 1, "time": 2.0, "loss": 0.1, **step(1, 10, 5.0)}
             yield {"_step": 2, "trainer_step": 2, "time": 3.0, "loss": 0.1, **step(2, 40, 2.0)}
-            yield {"_step": 3, "trainer_step": 2, "time": 3.5, "eval_accuracy": 0.5}   # the eval reports late
+            yield {"_step": 3, "trainer_step": 2, "time": 3.5, "eval_accuracy": 0.5}  # the eval reports late
 
-    class LegacyRun(FakeRun):   # logged before trainer_step existed: W&B's _step was the trainer step
+    class LegacyRun(FakeRun):  # logged before trainer_step existed: W&B's _step was the trainer step
         name, id = "w0", "old"
 
         def scan_history(self):

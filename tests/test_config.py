@@ -21,25 +21,31 @@ def test_default_is_cpu_demo_and_overrides_apply():
     assert cfg.plan.path == "p.json" and cfg.checkpoint.resume == "auto" and cfg.rollout.top_k == 5
 
 
-@pytest.mark.parametrize("arg,needle", [
-    ("train.lrr=1", "did you mean 'train.lr'"),
-    ("max_stalenes=1", "did you mean 'staleness.max_staleness'"),
-    ("rollout.temprature=1", "did you mean 'rollout.temperature'"),
-])
+@pytest.mark.parametrize(
+    "arg,needle",
+    [
+        ("train.lrr=1", "did you mean 'train.lr'"),
+        ("max_stalenes=1", "did you mean 'staleness.max_staleness'"),
+        ("rollout.temprature=1", "did you mean 'rollout.temperature'"),
+    ],
+)
 def test_unknown_key_names_the_closest(arg, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config([arg])
 
 
-@pytest.mark.parametrize("arg,needle", [
-    ("train.total_steps=abc", "train.total_steps' expects int"),
-    ("train.recompute_prox_logprobs=7", "expects bool"),
-    ("staleness.max_staleness=-1", "max_staleness must be >= 0"),
-    ("rollout.compile_decode=sometimes", "rollout.compile_decode must be auto\\|always\\|never"),
-    ("rollout.flash_attn=maybe", "rollout.flash_attn must be auto\\|always\\|never"),
-    ("lr", "not of the form key=value"),
-    ("config=nope", "config 'nope' not found"),
-])
+@pytest.mark.parametrize(
+    "arg,needle",
+    [
+        ("train.total_steps=abc", "train.total_steps' expects int"),
+        ("train.recompute_prox_logprobs=7", "expects bool"),
+        ("staleness.max_staleness=-1", "max_staleness must be >= 0"),
+        ("rollout.compile_decode=sometimes", "rollout.compile_decode must be auto\\|always\\|never"),
+        ("rollout.flash_attn=maybe", "rollout.flash_attn must be auto\\|always\\|never"),
+        ("lr", "not of the form key=value"),
+        ("config=nope", "config 'nope' not found"),
+    ],
+)
 def test_bad_values_are_one_clear_error(arg, needle):
     with pytest.raises(ConfigError, match=needle):
         load_config([arg])
@@ -47,6 +53,7 @@ def test_bad_values_are_one_clear_error(arg, needle):
 
 def test_every_shipped_config_loads():
     from config import CONFIG_DIR
+
     for path in CONFIG_DIR.glob("*.yaml"):
         load_config([f"config={path.stem}"])
 
@@ -65,7 +72,7 @@ def test_documented_config_names_exist():
                     config_path(expanded)
                 except ConfigError as e:
                     missing.append(f"{where}: config={name}: {e}")
-    assert len(seen) >= 5, seen                       # the pattern still finds the README's and the scripts' uses
+    assert len(seen) >= 5, seen  # the pattern still finds the README's and the scripts' uses
     assert not missing, "\n".join(missing)
 
 

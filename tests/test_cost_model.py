@@ -1,4 +1,5 @@
 """Cost-model tests: spec parsing, exact parameter counts, roofline regimes, memory, training and sync formulas."""
+
 from __future__ import annotations
 
 import json
@@ -21,14 +22,42 @@ def test_parameter_count_matches_transformers_exactly(tmp_path):
     transformers = pytest.importorskip("transformers")
     torch.set_num_threads(1)
     cases = [
-        transformers.LlamaConfig(hidden_size=64, intermediate_size=176, num_hidden_layers=3, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=300, tie_word_embeddings=True),
-        transformers.LlamaConfig(hidden_size=48, intermediate_size=96, num_hidden_layers=2, num_attention_heads=6,
-                                 num_key_value_heads=6, vocab_size=200, tie_word_embeddings=False),
-        transformers.Qwen2Config(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                                 num_key_value_heads=2, vocab_size=256, tie_word_embeddings=False),
-        transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=8,
-                                   num_key_value_heads=2, vocab_size=128, head_dim=16),
+        transformers.LlamaConfig(
+            hidden_size=64,
+            intermediate_size=176,
+            num_hidden_layers=3,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=300,
+            tie_word_embeddings=True,
+        ),
+        transformers.LlamaConfig(
+            hidden_size=48,
+            intermediate_size=96,
+            num_hidden_layers=2,
+            num_attention_heads=6,
+            num_key_value_heads=6,
+            vocab_size=200,
+            tie_word_embeddings=False,
+        ),
+        transformers.Qwen2Config(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            vocab_size=256,
+            tie_word_embeddings=False,
+        ),
+        transformers.MistralConfig(
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=8,
+            num_key_value_heads=2,
+            vocab_size=128,
+            head_dim=16,
+        ),
     ]
     for cfg in cases:
         d = tmp_path / cfg.model_type
@@ -38,8 +67,12 @@ def test_parameter_count_matches_transformers_exactly(tmp_path):
 
 
 def test_shipped_model_shapes():
-    sizes = {"deepseek-r1-distill-qwen-1.5b": 1.777e9, "deepseek-r1-distill-qwen-7b": 7.616e9,
-             "deepseek-r1-distill-qwen-14b": 14.770e9, "qwen2.5-0.5b": 0.494e9}
+    sizes = {
+        "deepseek-r1-distill-qwen-1.5b": 1.777e9,
+        "deepseek-r1-distill-qwen-7b": 7.616e9,
+        "deepseek-r1-distill-qwen-14b": 14.770e9,
+        "qwen2.5-0.5b": 0.494e9,
+    }
     for name, n in sizes.items():
         assert cm.load_model(name).params == pytest.approx(n, rel=1e-3)
         assert cm.load_model(ROOT / "exp/models" / f"{name}.json").params == cm.load_model(name).params
@@ -49,8 +82,10 @@ def test_bad_specs_name_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(cm.SpecError, match="num_attention_heads|num_hidden_layers|intermediate|vocab"):
         cm.load_model(tmp_path)
-    spec = {"gpu_types": {"X": {"hbm_gb": 1, "tflops": 1, "hbm_tbps": 1, "dollars_per_hour": 1, "intra_gbps": 1}},
-            "machines": [{"gpu_type": "Y", "gpus": 2}]}
+    spec = {
+        "gpu_types": {"X": {"hbm_gb": 1, "tflops": 1, "hbm_tbps": 1, "dollars_per_hour": 1, "intra_gbps": 1}},
+        "machines": [{"gpu_type": "Y", "gpus": 2}],
+    }
     with pytest.raises(cm.SpecError, match="gpu_type 'Y'"):
         cm.cluster_from_dict(spec)
     spec["machines"] = [{"gpu_type": "X", "gpus": 2, "count": 2}]
@@ -100,22 +135,23 @@ def test_decode_roofline_regimes():
 
 
 def test_replica_memory_limits_batch_and_feasibility():
-    wl = cm.Workload(gen_samples=[4000], max_batch=10 ** 6)
+    wl = cm.Workload(gen_samples=[4000], max_batch=10**6)
     eff = cm.Efficiency()
     m14 = cm.load_model("deepseek-r1-distill-qwen-14b")
     small = cm.GPUType("S", 24, 100, 1.0, 1.0, 50)
-    assert cm.replica_cost(m14, small, 1, 1, wl, eff, 5.0) is None             # 29.5 GB of weights > 24 GB
-    assert cm.replica_cost(m14, small, 2, 1, wl, eff, 5.0) is not None         # halves fit
+    assert cm.replica_cost(m14, small, 1, 1, wl, eff, 5.0) is None  # 29.5 GB of weights > 24 GB
+    assert cm.replica_cost(m14, small, 2, 1, wl, eff, 5.0) is not None  # halves fit
     b80 = cm.replica_memory_batch(m14, H800, 1, 1, wl, 0.9)
     b96 = cm.replica_memory_batch(m14, H20, 1, 1, wl, 0.9)
     assert 0 < b80 < b96
-    assert cm.replica_memory_batch(m14, H800, 2, 1, wl, 0.9) > 2 * b80         # TP frees weight memory too
+    assert cm.replica_memory_batch(m14, H800, 2, 1, wl, 0.9) > 2 * b80  # TP frees weight memory too
 
 
 def test_train_step_scales_with_efficiency_and_counts_the_bubble():
     model = cm.load_model("qwen2.5-0.5b")
-    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=4, gen_samples=[1000], ppo_minibatches=1,
-                     microbatch_tokens=4096)
+    wl = cm.Workload(
+        prompts_per_step=16, samples_per_prompt=4, gen_samples=[1000], ppo_minibatches=1, microbatch_tokens=4096
+    )
     types = {"H800": H800}
 
     def step(mfu: float, pp: int, dp: int = 1) -> float:

@@ -1,4 +1,5 @@
 """The docs and code speak of the project as it is: no numbered history of earlier runs (that lives in git)."""
+
 import re
 import subprocess
 from pathlib import Path
@@ -14,11 +15,14 @@ def tracked(*patterns: str) -> list[Path]:
 
 
 def test_no_numbered_history_in_docs_and_code():
-    files = [f for f in tracked("*.md", "*.py") if f != Path(__file__).resolve()]   # its examples below match
-    assert any(f.name == "README.md" for f in files)                  # the scan sees the tree
-    hits = [f"{f.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
-            for f in files for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
-            if HISTORY.search(line)]
+    files = [f for f in tracked("*.md", "*.py") if f != Path(__file__).resolve()]  # its examples below match
+    assert any(f.name == "README.md" for f in files)  # the scan sees the tree
+    hits = [
+        f"{f.relative_to(ROOT)}:{n}: {line.strip()[:100]}"
+        for f in files
+        for n, line in enumerate(f.read_text(errors="replace").splitlines(), 1)
+        if HISTORY.search(line)
+    ]
     assert not hits, "history belongs in git, not in the docs:\n" + "\n".join(hits)
 
 

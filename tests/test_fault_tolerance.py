@@ -7,6 +7,7 @@
   other rollout rank, and exits non-zero naming the stuck rank (so the launcher reclaims it).
 Set HEXRL_FAULT_SEED to replay a failure (the seed is in every assertion message).
 """
+
 from __future__ import annotations
 
 import json
@@ -19,18 +20,32 @@ import time
 from pathlib import Path
 
 import pytest
-
 from tiny import ENV, ROOT
 
 STEPS, B, G = 6, 2, 4
 
 
 def base_args(model_dir: Path, run_dir: Path, eta: int, extra=()) -> list[str]:
-    return [f"model.path={model_dir}", f"logging.run_dir={run_dir}", "logging.run_name=r", f"train.total_steps={STEPS}",
-            "train.max_train_seconds=0", f"train.prompts_per_step={B}", f"rollout.samples_per_prompt={G}",
-            "rollout.max_new_tokens=16", "data.num_test=4", "data.num_train=200", "logging.eval_every=3",
-            "logging.progress=false", f"max_staleness={eta}", "checkpoint.every=2", "checkpoint.keep=2",
-            "resume=auto", "plan.timeout_s=90", *extra]
+    return [
+        f"model.path={model_dir}",
+        f"logging.run_dir={run_dir}",
+        "logging.run_name=r",
+        f"train.total_steps={STEPS}",
+        "train.max_train_seconds=0",
+        f"train.prompts_per_step={B}",
+        f"rollout.samples_per_prompt={G}",
+        "rollout.max_new_tokens=16",
+        "data.num_test=4",
+        "data.num_train=200",
+        "logging.eval_every=3",
+        "logging.progress=false",
+        f"max_staleness={eta}",
+        "checkpoint.every=2",
+        "checkpoint.keep=2",
+        "resume=auto",
+        "plan.timeout_s=90",
+        *extra,
+    ]
 
 
 def launch(args: list[str], log_prefix: Path) -> subprocess.Popen:
@@ -90,15 +105,16 @@ def check_run(run: Path, eta: int, note: str) -> None:
     keys = [(e["group_id"], e["sample_idx"]) for e in ledger]
     assert len(keys) == len(set(keys)), f"{note}: a trajectory was trained twice"
     assert len(keys) == STEPS * B * G, f"{note}: {len(keys)} ledger lines, planned {STEPS * B * G}"
-    assert [e["step"] for e in ledger] == [s for s in range(1, STEPS + 1) for _ in range(B * G)], \
+    assert [e["step"] for e in ledger] == [s for s in range(1, STEPS + 1) for _ in range(B * G)], (
         f"{note}: versions not monotonic / a step missing or repeated"
+    )
     for e in ledger:
         assert e["trainer_version"] == e["step"] - 1, (note, e)
         assert e["trainer_version"] - e["min_version"] <= eta, (note, "staleness bound broken", e)
         assert e["min_version"] <= e["max_version"] <= e["trainer_version"], (note, e)
         assert e["updated"], (note, e)
     groups = {}
-    for e in ledger:                                 # a group is trained whole, at one step
+    for e in ledger:  # a group is trained whole, at one step
         groups.setdefault(e["group_id"], set()).add((e["prompt_id"], e["step"]))
     assert all(len(v) == 1 for v in groups.values()), f"{note}: a group split across steps or prompts"
     assert [m["step"] for m in step_lines(run)] == list(range(1, STEPS + 1)), f"{note}: metrics steps"
@@ -141,22 +157,23 @@ def test_sigkill_train_then_rollout_rank_resume_exactly_once(tmp_path, tiny_mode
 
     for prefix, before in (("launch1", None), ("launch2", done)):
         step = resumed_step(tmp_path / prefix)
-        if before is not None:                       # the newest complete checkpoint (or the one before it,
-            newest = before - before % 2             # when killed while writing it)
+        if before is not None:  # the newest complete checkpoint (or the one before it,
+            newest = before - before % 2  # when killed while writing it)
             assert step in (newest, newest - 2), (note, prefix, before, step)
         assert step is None or step % 2 == 0, (note, prefix, step)
     check_run(run, eta, note)
     ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
-    assert ckpts == ["step_4", "step_6"], (note, ckpts)   # keep=2, no temp dir left behind
+    assert ckpts == ["step_4", "step_6"], (note, ckpts)  # keep=2, no temp dir left behind
 
     # the checkpoint's model directory is a plain HF model, bitwise the trainer's (fp32 master) weights
     import torch
     from transformers import AutoModelForCausalLM
+
     model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_6" / "model")
     shard = torch.load(run / "checkpoints" / "step_6" / "train_rank0.pt", weights_only=True)["trainer"]
     assert shard["step"] == STEPS
     sd = model.state_dict()
-    for name, value in shard["model"].items():      # DP: rank 0 holds every parameter
+    for name, value in shard["model"].items():  # DP: rank 0 holds every parameter
         assert torch.equal(sd[name], value), (note, name)
 
 
@@ -231,13 +248,30 @@ def make_head(tmp_path, channel, *overrides):
     from config import load_config
     from runlog import RunLog
     from train import TrainHead
-    cfg = load_config(["train.prompts_per_step=2", "rollout.samples_per_prompt=1", "logging.progress=false",
-                       "logging.wandb=disabled", *overrides])
+
+    cfg = load_config(
+        [
+            "train.prompts_per_step=2",
+            "rollout.samples_per_prompt=1",
+            "logging.progress=false",
+            "logging.wandb=disabled",
+            *overrides,
+        ]
+    )
     groups = types.SimpleNamespace(rollout_ranks=list(channel.peers), train_ranks=[0], train_group=None)
-    head = TrainHead(cfg, groups, None, [{"prompt_id": i} for i in range(20)], [], RunLog(cfg, tmp_path, {}),
-                     torch.device("cpu"), channel, CheckpointWriter(tmp_path, 2, None, None))
+    head = TrainHead(
+        cfg,
+        groups,
+        None,
+        [{"prompt_id": i} for i in range(20)],
+        [],
+        RunLog(cfg, tmp_path, {}),
+        torch.device("cpu"),
+        channel,
+        CheckpointWriter(tmp_path, 2, None, None),
+    )
     head.commands = []
-    head.command = head.commands.append          # no train followers in process (no process group)
+    head.command = head.commands.append  # no train followers in process (no process group)
     return head
 
 
@@ -252,17 +286,26 @@ def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(wo
     head = make_head(tmp_path, channel, "staleness.max_staleness=1", "plan.rollout_timeout_s=0.3")
     head.sender, head.state_dict = RecordingSender(channel, [1, 2]), {}
     head.buffer.weights_sent(0)
-    head.grant()                                              # (0 + eta + 1) * B = 4 groups, 2 per rank
+    head.grant()  # (0 + eta + 1) * B = 4 groups, 2 per rank
     assert sorted(t.rank for t in head.buffer.in_flight.values()) == [1, 1, 2, 2]
     for ticket in [t for t in head.buffer.in_flight.values() if t.rank == 1]:
-        head.handle(1, {"kind": "result", "group_id": ticket.group_id, "counters": {}, "trajectories": [
-            Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id).to_dict()]})
-    head.weights_taken[1] = 0                                 # rank 1 acknowledged version 0; rank 2 is stuck
-    head.buffer.take()                                        # version 1
+        head.handle(
+            1,
+            {
+                "kind": "result",
+                "group_id": ticket.group_id,
+                "counters": {},
+                "trajectories": [
+                    Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id).to_dict()
+                ],
+            },
+        )
+    head.weights_taken[1] = 0  # rank 1 acknowledged version 0; rank 2 is stuck
+    head.buffer.take()  # version 1
     sent_before = len(channel.sent)
 
     head.sync_weights(changed=False)
-    head.grant()                                              # what run() does next
+    head.grant()  # what run() does next
 
     after = channel.sent[sent_before:]
     kinds = [(dst, kind) for dst, kind, _ in after]
@@ -274,7 +317,9 @@ def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(wo
     # rank 2's two groups went back to rank 1, re-admitted at version 1 (with version 1's weights on their way),
     # and capacity (1 + eta + 1) * B - 2 admitted = 4 filled up with two new groups
     in_flight = head.buffer.in_flight.values()
-    assert sorted(t.group_id for t in in_flight) == [1, 3, 4, 5] and {(t.rank, t.admit_version) for t in in_flight} == {(1, 1)}
+    assert sorted(t.group_id for t in in_flight) == [1, 3, 4, 5] and {(t.rank, t.admit_version) for t in in_flight} == {
+        (1, 1)
+    }
 
 
 class ScriptedChannel(RecordingChannel):
@@ -294,7 +339,7 @@ class ScriptedChannel(RecordingChannel):
                 return due
             time.sleep(0.01)
 
-    def silent_peers(self, seconds):      # nobody has spoken since creation: everyone is "silent"
+    def silent_peers(self, seconds):  # nobody has spoken since creation: everyone is "silent"
         return list(self.peers) if time.monotonic() - self.t0 > seconds else []
 
 
@@ -302,7 +347,7 @@ def test_slow_start_is_not_a_stuck_rank(tmp_path):
     """Rollout ranks still loading must not be dropped as stuck: a rank is held to plan.rollout_timeout_s
     only after it says `ready`, however long its start takes."""
     ready = {"kind": "ready", "counters": {}}
-    channel = ScriptedChannel([1, 2], [(0.1, 1, ready), (1.5, 2, ready)])      # rank 2: 5x rollout_timeout_s
+    channel = ScriptedChannel([1, 2], [(0.1, 1, ready), (1.5, 2, ready)])  # rank 2: 5x rollout_timeout_s
     head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=30")
     head.await_ready()
     assert head.rollout_ranks == [1, 2] and head.ready_ranks == {1, 2}
@@ -311,6 +356,7 @@ def test_slow_start_is_not_a_stuck_rank(tmp_path):
 
 def test_rank_that_never_starts_is_named(tmp_path):
     from parallel.channel import PeerTimeout
+
     channel = ScriptedChannel([1, 2], [(0.1, 1, {"kind": "ready", "counters": {}})])
     head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=1.5")
     t0 = time.monotonic()
@@ -318,4 +364,4 @@ def test_rank_that_never_starts_is_named(tmp_path):
         head.await_ready()
     assert "[2]" in str(raised.value) and "ready" in str(raised.value), str(raised.value)
     assert 1.5 <= time.monotonic() - t0 < 10
-    assert "wait" in head.commands               # the train followers were kept from timing out meanwhile
+    assert "wait" in head.commands  # the train followers were kept from timing out meanwhile

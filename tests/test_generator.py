@@ -1,4 +1,5 @@
 """Tests for rollout.Generator: exactness against HF, continuous batching, seeds, weight swaps, bad input."""
+
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -6,8 +7,16 @@ os.environ.setdefault("WANDB_MODE", "disabled")
 
 import pytest
 import torch
-from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                          Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from rollout import Generator, SamplingParams
 from sampler import counter_uniform, sample_tokens
@@ -15,23 +24,30 @@ from sampler import counter_uniform, sample_tokens
 torch.set_num_threads(1)
 
 VOCAB = 96
-COMMON = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=128)
+COMMON = dict(
+    hidden_size=64,
+    intermediate_size=96,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=VOCAB,
+    max_position_embeddings=128,
+)
 
 
 def make_model(kind: str, seed: int = 0, **overrides):
     torch.manual_seed(seed)
     if kind == "llama":
         model = LlamaForCausalLM(LlamaConfig(**COMMON, **overrides))
-    elif kind == "qwen2":   # q/k/v biases, tied embeddings
+    elif kind == "qwen2":  # q/k/v biases, tied embeddings
         model = Qwen2ForCausalLM(Qwen2Config(**COMMON, tie_word_embeddings=True, **overrides))
     elif kind == "mistral":  # sliding window shorter than the sequences
         model = MistralForCausalLM(MistralConfig(**COMMON, sliding_window=5, **overrides))
-    elif kind == "qwen3":   # q_norm / k_norm, explicit head_dim
+    elif kind == "qwen3":  # q_norm / k_norm, explicit head_dim
         model = Qwen3ForCausalLM(Qwen3Config(**COMMON, head_dim=16, **overrides))
     else:
         raise ValueError(kind)
-    model.generation_config.eos_token_id = None   # HF must not stop on the config's default eos
+    model.generation_config.eos_token_id = None  # HF must not stop on the config's default eos
     with torch.no_grad():  # random init has tiny logits; sharpen them so greedy has clear winners
         model.lm_head.weight.mul_(4.0)
     return model.eval()
@@ -51,17 +67,24 @@ def full_forward_logprobs(model, prompt, tokens, temperature=1.0):
 def hf_greedy(model, prompt, max_new_tokens, stop=None):
     ids = torch.tensor([prompt], device=model.device)
     with torch.no_grad():
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=stop, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=False,
+            eos_token_id=stop,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
 
 
 # ----------------------------------------------------------------------------- exactness
 
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 def test_greedy_matches_hf_generate_and_full_forward(kind):
     model = make_model(kind)
-    gen = Generator(model, max_batch_size=3, max_seq_len=40)   # 6 prompts, 3 slots: slots get refilled
+    gen = Generator(model, max_batch_size=3, max_seq_len=40)  # 6 prompts, 3 slots: slots get refilled
     free_run = gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12))
     stop = free_run[0].token_ids[4]  # a token greedy really emits, so at least one request stops on it
     outs = gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=12, stop_token_ids=[stop]))
@@ -126,8 +149,10 @@ def test_row_and_input_major_weights_give_the_same_outputs(kind):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_is_hf_bit_for_bit(dtype):
     """Our norm (F.rms_norm for fp32, HF's arithmetic written out for bf16) gives exactly HF's bits."""
-    from model_ops import rms_norm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    from model_ops import rms_norm
+
     torch.manual_seed(23)
     for hidden, shape in [(64, (32, 1)), (256, (5, 37)), (896, (300,))]:
         norm = LlamaRMSNorm(hidden, eps=1e-6).to(dtype)
@@ -153,7 +178,9 @@ def test_rope_table_and_per_step_rotary_match_hf(rope_type):
 def test_greedy_matches_hf_left_padded_batch():
     """HF's own batched, left-padded generate (the way a user calls it) gives the same tokens."""
     model = make_model("llama", seed=3)
-    outs = Generator(model, max_batch_size=2, max_seq_len=32).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=8))
+    outs = Generator(model, max_batch_size=2, max_seq_len=32).generate(
+        PROMPTS, SamplingParams(temperature=0, max_new_tokens=8)
+    )
     width = max(len(p) for p in PROMPTS)
     ids = torch.tensor([[0] * (width - len(p)) + p for p in PROMPTS])
     mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in PROMPTS])
@@ -174,6 +201,7 @@ def test_sampled_logprobs_are_full_vocab_after_temperature(kind):
 
 # ----------------------------------------------------------------------------- continuous batching
 
+
 def test_finished_request_frees_its_slot_at_once():
     gen = Generator(make_model("llama"), max_batch_size=2, max_seq_len=32)
     gen.add_request("short", [1, 2, 3], SamplingParams(temperature=0, max_new_tokens=2))
@@ -183,7 +211,7 @@ def test_finished_request_frees_its_slot_at_once():
     assert gen.step() == [] and [r.request_id for r in gen.slots] == ["short", "long"]
     finished = gen.step()
     assert [o.request_id for o in finished] == ["short"] and gen.slots[0] is None
-    gen.step()   # the waiting request takes the freed slot while "long" keeps decoding
+    gen.step()  # the waiting request takes the freed slot while "long" keeps decoding
     assert gen.slots[0].request_id == "late" and len(gen.slots[0].token_ids) == 1
     assert len(gen.slots[1].token_ids) == 3
     done = {}
@@ -205,16 +233,19 @@ def test_same_result_for_any_slot_count():
 
 # ----------------------------------------------------------------------------- sampling and seeds
 
+
 def test_seed_is_independent_of_batch_and_slot():
     model = make_model("llama", seed=4)
     target = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=1234)
     alone = Generator(model, max_batch_size=4, max_seq_len=32).generate([PROMPTS[2]], [target])[0]
     others = [SamplingParams(temperature=1.0, max_new_tokens=3 + i, seed=i) for i in range(4)]
-    crowd = Generator(model, max_batch_size=3, max_seq_len=32).generate(
-        PROMPTS[:4] + [PROMPTS[2]], others + [target])[4]   # lands in a refilled slot mid-stream
+    crowd = Generator(model, max_batch_size=3, max_seq_len=32).generate(PROMPTS[:4] + [PROMPTS[2]], others + [target])[
+        4
+    ]  # lands in a refilled slot mid-stream
     assert crowd.token_ids == alone.token_ids
     other_seed = Generator(model, max_batch_size=4, max_seq_len=32).generate(
-        [PROMPTS[2]], [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=99)])[0]
+        [PROMPTS[2]], [SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=10, seed=99)]
+    )[0]
     assert other_seed.token_ids != alone.token_ids
 
 
@@ -235,8 +266,14 @@ def test_sampler_matches_the_truncated_distribution():
     rows = logits.expand(n, vocab)
     u = counter_uniform(torch.full((n,), 7), torch.arange(n))
     for top_k, top_p in [(vocab, 1.0), (4, 1.0), (vocab, 0.6), (5, 0.7)]:
-        tokens, logp = sample_tokens(rows, torch.full((n,), 0.8), torch.full((n,), top_p),
-                                     torch.full((n,), top_k), u, truncate=(top_k < vocab or top_p < 1))
+        tokens, logp = sample_tokens(
+            rows,
+            torch.full((n,), 0.8),
+            torch.full((n,), top_p),
+            torch.full((n,), top_k),
+            u,
+            truncate=(top_k < vocab or top_p < 1),
+        )
         probs = torch.softmax(logits / 0.8, -1)
         order = probs.argsort(descending=True)
         keep = torch.zeros(vocab, dtype=torch.bool)
@@ -249,8 +286,8 @@ def test_sampler_matches_the_truncated_distribution():
         expected = torch.where(nucleus, p, 0.0)
         expected = expected / expected.sum()
         freq = torch.bincount(tokens, minlength=vocab).double() / n
-        assert freq[~nucleus].sum() == 0                      # truncated tokens are never drawn
-        assert (freq - expected).abs().max() < 0.012          # ~5 sigma at n=40000
+        assert freq[~nucleus].sum() == 0  # truncated tokens are never drawn
+        assert (freq - expected).abs().max() < 0.012  # ~5 sigma at n=40000
         assert torch.allclose(logp, torch.log_softmax(logits / 0.8, -1)[tokens], atol=1e-6)
 
 
@@ -263,7 +300,9 @@ def test_counter_uniform_is_a_pure_function_in_range():
     assert counter_uniform(seeds[2:3], counters[2:3]).item() == u[2].item()
     # the sampler hashes Python ints: the same values as the int64-tensor path, up to the largest seed
     seeds, counters = torch.tensor([0, 2**40 + 3, 2**63 - 1, 12345]), torch.tensor([0, 5, 7, 2**31 + 9])
-    assert [counter_uniform(int(s), int(c)) for s, c in zip(seeds, counters)] == counter_uniform(seeds, counters).tolist()
+    assert [counter_uniform(int(s), int(c)) for s, c in zip(seeds, counters)] == counter_uniform(
+        seeds, counters
+    ).tolist()
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
@@ -276,6 +315,7 @@ def test_one_temperature_for_all_rows_samples_like_per_row_temperatures(temperat
 
 
 # ----------------------------------------------------------------------------- weight updates
+
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_grpo_groups_share_the_prompt_cache_exactly(kind):
@@ -330,7 +370,7 @@ def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
     model = make_model(kind, seed=6)
     old = make_model(kind, seed=6)
     new_weights = perturbed_state_dict(model, seed=7)
-    if kind == "qwen2":   # tied embeddings: HF state_dict names both keys for one tensor
+    if kind == "qwen2":  # tied embeddings: HF state_dict names both keys for one tensor
         assert model.lm_head.weight is model.model.embed_tokens.weight
     gen = Generator(model, max_batch_size=3, max_seq_len=40)
     params = SamplingParams(temperature=1.0, max_new_tokens=10)
@@ -349,7 +389,7 @@ def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
         out = outs[i]
         first_new = out.versions.index(1)
         assert out.versions == [0] * first_new + [1] * (len(out.versions) - first_new)
-        assert (first_new == 4) if i < 3 else (first_new == 0)   # waiting requests start under v1
+        assert (first_new == 4) if i < 3 else (first_new == 0)  # waiting requests start under v1
         ref_old = full_forward_logprobs(old, prompt, out.token_ids)
         ref_new = full_forward_logprobs(new, prompt, out.token_ids)
         for j, lp in enumerate(out.logprobs):
@@ -361,7 +401,7 @@ def test_compiled_decode_step_matches_hf_and_follows_weight_swaps():
     static shapes -- every slot, the whole cache length -- and prefill as separate eager forwards. Greedy equals
     HF generate with slot refills, log-probs match the full forward, and update_weights mid-generation reaches
     the compiled step: later tokens are exactly the new weights' and carry the new version."""
-    model = make_model("mistral", seed=8)     # sliding window: the static step's masks cover it too
+    model = make_model("mistral", seed=8)  # sliding window: the static step's masks cover it too
     gen = Generator(model, max_batch_size=3, max_seq_len=40, compile_decode=True)
     for prompt, out in zip(PROMPTS, gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))):
         assert out.token_ids == hf_greedy(model, prompt, 10)
@@ -380,7 +420,7 @@ def test_compiled_decode_step_matches_hf_and_follows_weight_swaps():
         out = done[i]
         cut = out.versions.index(1) if 1 in out.versions else len(out.token_ids)
         assert out.versions == [0] * cut + [1] * (len(out.token_ids) - cut)
-        ref = full_forward_logprobs(model, p, out.token_ids)    # the model holds the new weights now
+        ref = full_forward_logprobs(model, p, out.token_ids)  # the model holds the new weights now
         assert max([abs(a - b) for a, b in zip(ref[cut:], out.logprobs[cut:])], default=0.0) < 1e-4
         swapped += len(out.token_ids) - cut
     assert swapped > 0
@@ -393,10 +433,12 @@ def test_fused_projections_follow_every_write_to_the_model(kind, layout):
     Generator on the same model, update_weights through either, and load_state_dict all reach them."""
     model = make_model(kind, seed=13)
     first = Generator(model, max_batch_size=2, max_seq_len=40, weight_layout=layout)
-    second = Generator(model, max_batch_size=2, max_seq_len=40)        # e.g. the rollout rank's eval generator
+    second = Generator(model, max_batch_size=2, max_seq_len=40)  # e.g. the rollout rank's eval generator
     params = SamplingParams(temperature=0, max_new_tokens=8)
-    for weights, write in [(perturbed_state_dict(model, seed=14), lambda w: first.update_weights(w, version=1)),
-                           (perturbed_state_dict(model, seed=15), lambda w: model.load_state_dict(w))]:
+    for weights, write in [
+        (perturbed_state_dict(model, seed=14), lambda w: first.update_weights(w, version=1)),
+        (perturbed_state_dict(model, seed=15), lambda w: model.load_state_dict(w)),
+    ]:
         write(weights)
         ref = make_model(kind, seed=13)
         ref.load_state_dict(weights)
@@ -404,12 +446,16 @@ def test_fused_projections_follow_every_write_to_the_model(kind, layout):
             outs = gen.generate(PROMPTS[:3], params)
             for prompt, out in zip(PROMPTS[:3], outs):
                 assert out.token_ids == hf_greedy(ref, prompt, 8)
-                assert max(abs(a - b) for a, b in zip(out.logprobs, full_forward_logprobs(ref, prompt, out.token_ids))) < 1e-4
+                assert (
+                    max(abs(a - b) for a, b in zip(out.logprobs, full_forward_logprobs(ref, prompt, out.token_ids)))
+                    < 1e-4
+                )
 
 
 def test_blocked_lm_head_equals_one_gemm():
     """On CPU a vocabulary above 4 blocks goes through the LM head block by block: same logits."""
     from rollout import LM_HEAD_BLOCK
+
     torch.manual_seed(16)
     config = LlamaConfig(**{**COMMON, "vocab_size": 4 * LM_HEAD_BLOCK + 333})
     model = LlamaForCausalLM(config).eval()
@@ -455,6 +501,7 @@ def test_update_weights_accepts_buckets_and_rejects_bad_names():
 
 # ----------------------------------------------------------------------------- streaming API, bad input
 
+
 def test_abort_and_unfinished_requests():
     gen = Generator(make_model("llama"), max_batch_size=1, max_seq_len=16)
     params = SamplingParams(temperature=0, max_new_tokens=5)
@@ -493,9 +540,10 @@ def test_bad_input_raises_clear_errors():
         gen.generate([[1], [2]], [ok])
     with pytest.raises(ValueError, match="outside vocabulary"):
         gen.generate([[1], [VOCAB + 5]], ok)
-    assert gen.num_unfinished() == 0   # a failed generate leaves nothing behind
+    assert gen.num_unfinished() == 0  # a failed generate leaves nothing behind
     with pytest.raises(ValueError, match="interrupt_mode"):
         Generator(model, interrupt_mode="pause")
     from transformers import GPT2Config, GPT2LMHeadModel
+
     with pytest.raises(ValueError, match="gpt2"):
         Generator(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))

@@ -4,25 +4,36 @@ Run on a GPU machine with `python -m pytest -q tests/test_gpu.py` (exp/gpu_check
 fp32 on CUDA must meet the CPU suite's exactness bounds (TF32 stays off, torch's default for matmuls); bf16 is
 checked against HF's own bf16 forward with a bound that bf16 rounding of the logits allows.
 """
+
 import copy
 import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+from test_generator import PROMPTS, full_forward_logprobs, hf_greedy, make_model, perturbed_state_dict
 
 from rollout import Generator, SamplingParams, gpu_options
-from test_generator import PROMPTS, full_forward_logprobs, hf_greedy, make_model, perturbed_state_dict
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")
-torch._dynamo.config.cache_size_limit = 64   # a compiled Generator per test: each is one more compile of the step
+torch._dynamo.config.cache_size_limit = 64  # a compiled Generator per test: each is one more compile of the step
 
 
 # every model family eager; the compiled (CUDA-graph) step on the three attention variants (GQA, sliding window,
 # q/k norms) -- each compile costs tens of seconds of the GPU's short lease
-@pytest.mark.parametrize("kind,compile_decode", [("llama", False), ("qwen2", False), ("mistral", False),
-                                                 ("qwen3", False), ("llama", True), ("mistral", True), ("qwen3", True)])
+@pytest.mark.parametrize(
+    "kind,compile_decode",
+    [
+        ("llama", False),
+        ("qwen2", False),
+        ("mistral", False),
+        ("qwen3", False),
+        ("llama", True),
+        ("mistral", True),
+        ("qwen3", True),
+    ],
+)
 def test_fp32_on_cuda_matches_hf_generate_and_full_forward(kind, compile_decode):
     """Greedy equals HF generate token for token on CUDA; log-probs within 1e-4 of HF's full forward; slot
     refills and stop tokens included; the CUDA-graph decode step gives the same tokens as the eager one."""
@@ -68,7 +79,7 @@ def test_cuda_graph_decode_is_captured_and_follows_weight_swaps():
             continue
         cut = out.versions.index(1)
         assert out.versions == [0] * cut + [1] * (len(out.token_ids) - cut)
-        ref = full_forward_logprobs(model, p, out.token_ids)   # the model now holds the new weights
+        ref = full_forward_logprobs(model, p, out.token_ids)  # the model now holds the new weights
         assert max(abs(a - b) for a, b in zip(ref[cut:], out.logprobs[cut:])) < 1e-4
         swapped_after += len(out.token_ids) - cut
     assert swapped_after > 0
@@ -87,10 +98,10 @@ def test_bf16_on_cuda_agrees_with_hf_bf16_forward(kind, compile_decode):
         for prompt, out in zip(PROMPTS, outs):
             ref = full_forward_logprobs(model, prompt, out.token_ids)
             worst = max(worst, max(abs(a - b) for a, b in zip(ref, out.logprobs)))
-            if temperature == 0:   # HF's best log-prob at each position: ours must be within rounding of it
+            if temperature == 0:  # HF's best log-prob at each position: ours must be within rounding of it
                 with torch.no_grad():
                     logits = model(torch.tensor([prompt + out.token_ids], device=CUDA)).logits[0].float()
-                best = torch.log_softmax(logits, -1)[len(prompt) - 1:-1].max(-1).values.tolist()
+                best = torch.log_softmax(logits, -1)[len(prompt) - 1 : -1].max(-1).values.tolist()
                 assert all(r >= b - 0.05 for r, b in zip(ref, best)), (prompt, out.token_ids)
     assert worst < 0.05, worst
 
@@ -114,12 +125,22 @@ def test_trainer_on_cuda_matches_the_cpu_reference(nccl_world_of_one, dtype):
     """One PPO train_step on CUDA (NCCL group of one): fp32 equals the 1-process CPU reference within 1e-4
     (loss and parameters); bf16 autocast with fp32 master weights stays within bf16's error of it."""
     from dist_parallel_worker import make_trajectories, reference, tiny_model
-    from parallel.groups import build_groups, make_train_plan
+
+    from parallel.groups import build_groups
+    from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer, TrainerConfig
 
     model = tiny_model("qwen2")
-    cfg = TrainerConfig(lr=1e-3, eps=1e-6, grad_clip=1.0, ppo_minibatches=2, micro_batch_tokens=24,
-                        temperature=0.9, behav_imp_weight_cap=3.0, dtype=dtype)
+    cfg = TrainerConfig(
+        lr=1e-3,
+        eps=1e-6,
+        grad_clip=1.0,
+        ppo_minibatches=2,
+        micro_batch_tokens=24,
+        temperature=0.9,
+        behav_imp_weight_cap=3.0,
+        dtype=dtype,
+    )
     trajs = make_trajectories(model, 6, cfg.temperature)
     trainer = Trainer(copy.deepcopy(model), build_groups(make_train_plan(1, 1, 1, [(0, 4)])), cfg, CUDA)
     assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in trainer.params.values())

@@ -1,5 +1,6 @@
 """math_data: vendored GSM8K offline, field mappings over jsonl/json/parquet, the three gold formats, bad-row
 policies, hub fallback, train/held-out splitting, and prompt formatting with and without a chat template."""
+
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ def write_jsonl(path, rows):
 
 # --- GSM8K, vendored ------------------------------------------------------------------------------------------
 
+
 def test_gsm8k_offline_test_split_matches_raw_file():
     ds = load_math_dataset("gsm8k", split="test")
     assert ds.column_names == ["prompt_id", "question", "answer"] and len(ds) == 1319
@@ -52,6 +54,7 @@ def test_gsm8k_hub_failure_falls_back_to_vendored(monkeypatch, caplog):
 
     def unreachable(*args):
         raise ConnectionError("no network")
+
     monkeypatch.setattr(math_data, "_read_hub", unreachable)
     with caplog.at_level(logging.WARNING, logger="math_data"):
         ds = load_math_dataset("gsm8k", split="train", max_rows=10)
@@ -68,6 +71,7 @@ def test_hub_id_with_field_mapping(monkeypatch):
     def fake_hub(hub_id, config, split):
         calls.append((hub_id, config, split))
         return list(enumerate([{"problem": "1+1?", "answer": "2"}, {"problem": "x?", "answer": None}], start=1))
+
     monkeypatch.setattr(math_data, "_read_hub", fake_hub)
     ds = load_math_dataset("someone/deepscaler-like", "train", FieldMap("problem", "answer"))
     assert calls == [("someone/deepscaler-like", None, "train")]
@@ -76,14 +80,21 @@ def test_hub_id_with_field_mapping(monkeypatch):
 
 # --- local files, mappings and gold formats ---------------------------------------------------------------------
 
+
 def test_local_jsonl_field_mapping_and_formats(tmp_path):
     plain = write_jsonl(tmp_path / "p.jsonl", [{"q": " What is 2+3? ", "a": 5}, {"q": "Half of 1?", "a": "\\frac12"}])
     ds = load_math_dataset(plain, fields=FieldMap("q", "a"))
-    assert ds.to_list() == [{"prompt_id": 0, "question": "What is 2+3?", "answer": "5"},
-                            {"prompt_id": 1, "question": "Half of 1?", "answer": "\\frac12"}]
-    math_style = write_jsonl(tmp_path / "m.jsonl", [
-        {"problem": "P1", "solution": "First $\\boxed{2}$ is wrong; so $x=\\boxed{\\frac{1}{\\sqrt{2}}}$."},
-        {"problem": "P2", "solution": "The answer is $\\fbox{(1,2)}$"}])
+    assert ds.to_list() == [
+        {"prompt_id": 0, "question": "What is 2+3?", "answer": "5"},
+        {"prompt_id": 1, "question": "Half of 1?", "answer": "\\frac12"},
+    ]
+    math_style = write_jsonl(
+        tmp_path / "m.jsonl",
+        [
+            {"problem": "P1", "solution": "First $\\boxed{2}$ is wrong; so $x=\\boxed{\\frac{1}{\\sqrt{2}}}$."},
+            {"problem": "P2", "solution": "The answer is $\\fbox{(1,2)}$"},
+        ],
+    )
     ds = load_math_dataset(math_style, fields=FieldMap("problem", "solution", "boxed"))
     assert ds["answer"] == ["\\frac{1}{\\sqrt{2}}", "(1,2)"]
     gsm_style = write_jsonl(tmp_path / "g.jsonl", [{"question": "Q", "answer": "2*500=1000\n#### 1,000"}])
@@ -114,16 +125,25 @@ def test_missing_path_is_named(tmp_path):
 
 # --- bad rows -------------------------------------------------------------------------------------------------
 
-BAD_ROWS = [{"question": "ok 1", "answer": "1"}, {"question": "no answer"}, "{not json",
-            {"question": "", "answer": "3"}, [1, 2], {"question": "ok 2", "answer": "2"}, {"question": "x", "answer": True}]
+BAD_ROWS = [
+    {"question": "ok 1", "answer": "1"},
+    {"question": "no answer"},
+    "{not json",
+    {"question": "", "answer": "3"},
+    [1, 2],
+    {"question": "ok 2", "answer": "2"},
+    {"question": "x", "answer": True},
+]
 
 
 def test_on_bad_row_skip_counts_and_keeps_ids(tmp_path, caplog):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
     with caplog.at_level(logging.WARNING, logger="math_data"):
         ds = load_math_dataset(path, on_bad_row="skip")
-    assert ds.to_list() == [{"prompt_id": 0, "question": "ok 1", "answer": "1"},
-                            {"prompt_id": 5, "question": "ok 2", "answer": "2"}]
+    assert ds.to_list() == [
+        {"prompt_id": 0, "question": "ok 1", "answer": "1"},
+        {"prompt_id": 5, "question": "ok 2", "answer": "2"},
+    ]
     warnings = [r for r in caplog.records if r.name == "math_data"]
     assert len(warnings) == 1 and "skipped 5 of 7 rows" in warnings[0].getMessage()
 
@@ -152,9 +172,16 @@ def test_bad_arguments(tmp_path):
 
 # --- train / held-out splits for the config -----------------------------------------------------------------
 
+
 def data_cfg(task, num_test=3, seed=0, question_field="question", answer_field="answer"):
-    return SimpleNamespace(task=task, num_test=num_test, seed=seed, question_field=question_field,
-                           answer_field=answer_field, on_bad_row="skip")
+    return SimpleNamespace(
+        task=task,
+        num_test=num_test,
+        seed=seed,
+        question_field=question_field,
+        answer_field=answer_field,
+        on_bad_row="skip",
+    )
 
 
 def test_load_task_splits_single_file_holds_out_by_seed(tmp_path):
@@ -176,9 +203,11 @@ def test_load_task_splits_gsm8k_ids_unique():
 
 # --- prompts --------------------------------------------------------------------------------------------------
 
+
 def tiny_tokenizer(chat_template=None):
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
+
     tok = Tokenizer(models.WordLevel({"[UNK]": 0, "hi": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
@@ -188,8 +217,10 @@ def tiny_tokenizer(chat_template=None):
 
 
 def test_format_prompt_with_and_without_chat_template():
-    template = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
-                "{% if add_generation_prompt %}<|assistant|>{% endif %}")
+    template = (
+        "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
+        "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+    )
     chat = format_prompt(tiny_tokenizer(template), "  What is 2+2? ")
     assert chat == f"<|user|>What is 2+2?\n{math_data.INSTRUCTION}<|end|><|assistant|>"
     plain = format_prompt(tiny_tokenizer(), "What is 2+2?")

@@ -1,5 +1,6 @@
 """3D-parallel trainer: packing units, plan validation, single-rank trainer checks, and the multi-rank equivalence run
 (torchrun, 4 gloo ranks, 6 layouts x {Qwen2 tied+bias, Llama GQA} against the 1-process reference)."""
+
 import os
 import random
 import re
@@ -9,9 +10,9 @@ import sys
 import pytest
 import torch
 
-from parallel.groups import build_groups, make_train_plan, validate_plan
+from parallel.groups import build_groups
 from parallel.packing import balanced_partition, dynamic_microbatches
-from parallel.rankmap import PlanError
+from parallel.rankmap import PlanError, make_train_plan, validate_plan
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -20,6 +21,7 @@ sys.path.insert(0, os.path.join(ROOT, "tests"))
 
 # ----------------------------------------------------------------------------------------------------------------
 # packing
+
 
 def brute_force_dynamic(lengths, capacity, k_min):
     """Algorithm 1 written out step by step, to compare against."""
@@ -71,11 +73,12 @@ def test_balanced_partition():
         parts = balanced_partition(lengths, 4)
         loads = [sum(lengths[i] for i in p) for p in parts]
         assert sorted(i for p in parts for i in p) == list(range(len(lengths)))
-        assert max(loads) - min(loads) <= max(lengths)   # greedy LPT bound
+        assert max(loads) - min(loads) <= max(lengths)  # greedy LPT bound
 
 
 # ----------------------------------------------------------------------------------------------------------------
 # plan validation
+
 
 def test_plan_roundtrip_and_errors():
     plan = make_train_plan(2, 2, 2, [(0, 3), (3, 4)], world_size=10)
@@ -104,13 +107,22 @@ def test_plan_roundtrip_and_errors():
 # ----------------------------------------------------------------------------------------------------------------
 # single rank (world of 1): bf16 path, bad trajectories, checkpoint round trip
 
+
 def test_single_rank_trainer(world_of_one):
     from dist_parallel_worker import make_trajectories, reference, tiny_model
+
     from parallel.trainer import Trainer, TrainerConfig
 
     model = tiny_model("qwen2")
-    cfg = TrainerConfig(lr=1e-3, eps=1e-6, grad_clip=1.0, ppo_minibatches=2, micro_batch_tokens=24,
-                        temperature=0.9, behav_imp_weight_cap=3.0)
+    cfg = TrainerConfig(
+        lr=1e-3,
+        eps=1e-6,
+        grad_clip=1.0,
+        ppo_minibatches=2,
+        micro_batch_tokens=24,
+        temperature=0.9,
+        behav_imp_weight_cap=3.0,
+    )
     trajs = make_trajectories(model, 6, cfg.temperature)
     groups = build_groups(make_train_plan(1, 1, 1, [(0, 4)]))
     with pytest.raises(PlanError, match="world_size=2"):
@@ -119,6 +131,7 @@ def test_single_rank_trainer(world_of_one):
         Trainer(model, build_groups(make_train_plan(1, 1, 1, [(0, 3)])), cfg, "cpu")
 
     import copy
+
     trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu")
     # bad input: one clear message each
     broken = copy.deepcopy(trajs[0])
@@ -163,11 +176,24 @@ LAYOUTS = "2,1,1:4;1,2,1:4;1,1,2:3+1;2,2,1:4;1,2,2:1+3;2,1,2:2+2"
 
 
 def test_layouts_match_single_process_reference():
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "WANDB_MODE": "disabled",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+    }
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    cmd = [torchrun, "--nproc_per_node=4", "--standalone", os.path.join(ROOT, "tests", "dist_parallel_worker.py"),
-           "--layouts", LAYOUTS, "--models", "qwen2,llama"]
+    cmd = [
+        torchrun,
+        "--nproc_per_node=4",
+        "--standalone",
+        os.path.join(ROOT, "tests", "dist_parallel_worker.py"),
+        "--layouts",
+        LAYOUTS,
+        "--models",
+        "qwen2,llama",
+    ]
     try:
         proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=420)
     except subprocess.TimeoutExpired as e:

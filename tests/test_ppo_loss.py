@@ -1,5 +1,6 @@
 """Decoupled PPO loss against a direct numpy formula, its reduction to standard PPO, cap masking, and
 vocab-parallel log-probs/entropy (2 gloo processes) against the full-vocab version, values and gradients."""
+
 import math
 import os
 import tempfile
@@ -60,8 +61,12 @@ def test_global_token_normaliser_makes_splits_add_up():
     logp, prox, behav, adv, mask = make_inputs(seed=1, n=20)
     n = int(mask.sum())
     full, _ = decoupled_ppo_loss(t(logp), t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, None)
-    parts = sum(decoupled_ppo_loss(t(logp[s]), t(prox[s]), t(behav[s]), t(adv[s]), t(mask[s], torch.bool), 0.2,
-                                   None, num_valid_tokens=n)[0] for s in (slice(0, 7), slice(7, 20)))
+    parts = sum(
+        decoupled_ppo_loss(
+            t(logp[s]), t(prox[s]), t(behav[s]), t(adv[s]), t(mask[s], torch.bool), 0.2, None, num_valid_tokens=n
+        )[0]
+        for s in (slice(0, 7), slice(7, 20))
+    )
     assert parts.item() == pytest.approx(full.item(), rel=1e-12)
 
 
@@ -89,9 +94,9 @@ def test_cap_masks_tokens_but_keeps_denominator():
     args = (t(logp), t(logp), t(behav), t(adv), t([True, True, True], torch.bool), 0.2)
     loss_capped, stats = decoupled_ppo_loss(*args, behav_imp_weight_cap=5.0)
     loss_free, _ = decoupled_ppo_loss(*args)
-    assert loss_capped.item() == pytest.approx(-2.0 / 3.0)       # two kept tokens, each -1 * 1 * 1, over 3
-    assert loss_free.item() == pytest.approx(-(2.0 + math.e ** 2) / 3.0)
-    assert stats["num_loss_tokens"] == 2 and stats["importance_weight_max"] == pytest.approx(math.e ** 2)
+    assert loss_capped.item() == pytest.approx(-2.0 / 3.0)  # two kept tokens, each -1 * 1 * 1, over 3
+    assert loss_free.item() == pytest.approx(-(2.0 + math.e**2) / 3.0)
+    assert stats["num_loss_tokens"] == 2 and stats["importance_weight_max"] == pytest.approx(math.e**2)
 
 
 def _loss_and_grad(logp, prox, behav, adv, mask, cap=None, num_valid_tokens=None):
@@ -113,12 +118,14 @@ def test_masked_inf_does_not_leak():
 
 def test_capped_inf_weight_does_not_leak():
     # token 1 is valid but its weight overflows to inf and is capped away; its gradient must be exactly 0
-    loss, grad = _loss_and_grad([-1.0, 500.0, -1.6], [-1.0, 400.0, -1.5], [-1.0, -1e4, -1.0], [1.0, -1.0, -0.5],
-                                [True, True, True], cap=5.0)
+    loss, grad = _loss_and_grad(
+        [-1.0, 500.0, -1.6], [-1.0, 400.0, -1.5], [-1.0, -1e4, -1.0], [1.0, -1.0, -0.5], [True, True, True], cap=5.0
+    )
     assert torch.isfinite(loss) and torch.isfinite(grad).all() and grad[1].item() == 0.0
     # the kept tokens alone, with the denominator that still counts the capped token
-    ref_loss, ref_grad = _loss_and_grad([-1.0, -1.6], [-1.0, -1.5], [-1.0, -1.0], [1.0, -0.5], [True, True],
-                                        num_valid_tokens=3)
+    ref_loss, ref_grad = _loss_and_grad(
+        [-1.0, -1.6], [-1.0, -1.5], [-1.0, -1.0], [1.0, -0.5], [True, True], num_valid_tokens=3
+    )
     assert loss.item() == ref_loss.item()
     assert grad[[0, 2]].tolist() == ref_grad.tolist()
 
@@ -147,6 +154,7 @@ def test_full_vocab_logprobs_by_hand():
 # ----------------------------------------------------------------------------------------------------------------
 # vocab-parallel == full vocab, with 2 gloo ranks
 
+
 def _vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -160,12 +168,17 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
     ((lp_ref * coef_lp).sum() + (ent_ref * coef_ent).sum()).backward()
 
     shard = vocab // world
-    local = logits[..., rank * shard:(rank + 1) * shard].clone().requires_grad_()
+    local = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_()
     lp, ent = vocab_parallel_logprobs_and_entropy(local, targets, rank * shard, dist.group.WORLD, temperature)
     ((lp * coef_lp).sum() + (ent * coef_ent).sum()).backward()
-    torch.save({"lp": (lp - lp_ref).abs().max().item(), "ent": (ent - ent_ref).abs().max().item(),
-                "grad": (local.grad - ref.grad[..., rank * shard:(rank + 1) * shard]).abs().max().item()},
-               os.path.join(out_dir, f"{rank}.pt"))
+    torch.save(
+        {
+            "lp": (lp - lp_ref).abs().max().item(),
+            "ent": (ent - ent_ref).abs().max().item(),
+            "grad": (local.grad - ref.grad[..., rank * shard : (rank + 1) * shard]).abs().max().item(),
+        },
+        os.path.join(out_dir, f"{rank}.pt"),
+    )
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,5 +1,6 @@
 """reward_math: the whole GSM8K test split, MATH-convention equivalences, fast path == math-verify, adversarial
 inputs bounded in time, RewardPool (inline fast path, kill-and-replace on timeout), pass@k against brute force."""
+
 import itertools
 import json
 import math
@@ -28,6 +29,7 @@ def warm_verifier():
 
 # --- acceptance 1: every GSM8K reference solution scores 1.0, altered final number scores 0.0 -----------------
 
+
 def test_gsm8k_test_split_reference_solutions():
     with open(GSM8K_TEST) as f:
         rows = [json.loads(line) for line in f]
@@ -47,23 +49,27 @@ def test_gsm8k_test_split_reference_solutions():
 
 # --- extraction ----------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("response, expected", [
-    ("so x = \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
-    ("first \\boxed{3}, then corrected: \\boxed{4}", "4"),
-    ("\\fbox{\\sqrt{\\{2\\}}}", "\\sqrt{\\{2\\}}"),
-    ("Hence the answer is $\\boxed 5$.", "5"),
-    ("The answer is \\boxed{7}.", "7"),
-    ("#### 1,234\n", "1,234"),
-    ("#### 18. That is all.", "18"),
-    ("work... \\boxed{12 then the model ran out of tokens\n#### 11", "11"),
-    ("The answer is 3.5.", "3.5"),
-    ("The final answer is: $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
-    ("**Answer:** 42", "42"),
-    ("Answer = -7", "-7"),
-    ("\\boxed{}\n#### 9", "9"),
-    ("no final answer here, 3 + 4 = 7", None),
-    ("\\boxed{" + "{" * 10_000 + "}" * 10_000 + "}", None),  # content longer than max_answer_chars
-])
+
+@pytest.mark.parametrize(
+    "response, expected",
+    [
+        ("so x = \\boxed{\\frac{1}{2}}.", "\\frac{1}{2}"),
+        ("first \\boxed{3}, then corrected: \\boxed{4}", "4"),
+        ("\\fbox{\\sqrt{\\{2\\}}}", "\\sqrt{\\{2\\}}"),
+        ("Hence the answer is $\\boxed 5$.", "5"),
+        ("The answer is \\boxed{7}.", "7"),
+        ("#### 1,234\n", "1,234"),
+        ("#### 18. That is all.", "18"),
+        ("work... \\boxed{12 then the model ran out of tokens\n#### 11", "11"),
+        ("The answer is 3.5.", "3.5"),
+        ("The final answer is: $\\frac{3}{4}$. I hope it is correct.", "\\frac{3}{4}"),
+        ("**Answer:** 42", "42"),
+        ("Answer = -7", "-7"),
+        ("\\boxed{}\n#### 9", "9"),
+        ("no final answer here, 3 + 4 = 7", None),
+        ("\\boxed{" + "{" * 10_000 + "}" * 10_000 + "}", None),  # content longer than max_answer_chars
+    ],
+)
 def test_extract_answer(response, expected):
     assert rm.extract_answer(response) == expected
 
@@ -71,7 +77,7 @@ def test_extract_answer(response, expected):
 def test_synthetic_task_answers_and_partial_matches():
     assert score("3 * -4 = -12, so \\boxed{-12}", "-12") == 1.0
     assert score("\\boxed{12}", "-12") == 0.0
-    assert score("\\boxed{123}", "12") == 0.0      # prefix of the gold is not a match
+    assert score("\\boxed{123}", "12") == 0.0  # prefix of the gold is not a match
     assert score("\\boxed{12}", "1") == 0.0
     assert score("12 is it. \\boxed{4}", "12") == 0.0  # numbers elsewhere in the response do not count
     assert score_details("I think 12", "12") == ScoreDetails(0.0, None, "no_answer")
@@ -80,9 +86,23 @@ def test_synthetic_task_answers_and_partial_matches():
 
 # --- the fast path: exact, and agrees with math-verify --------------------------------------------------------
 
-FAST_PAIRS = [("1,000", "1000"), ("\\$18.90", "18.9"), ("$18.90", "18.09"), ("10\\%", "0.1"), ("10%", "10"),
-              ("10\\%", "1"), ("-3", "3"), ("-3", "-3.0"), (".5", "0.5"), ("007", "7"), ("5\\text{ cm}", "5"),
-              ("5 \\text{ cm}^2", "5"), ("2.50", "2.5"), ("1,450,000", "1450000"), ("3", "3.0000001")]
+FAST_PAIRS = [
+    ("1,000", "1000"),
+    ("\\$18.90", "18.9"),
+    ("$18.90", "18.09"),
+    ("10\\%", "0.1"),
+    ("10%", "10"),
+    ("10\\%", "1"),
+    ("-3", "3"),
+    ("-3", "-3.0"),
+    (".5", "0.5"),
+    ("007", "7"),
+    ("5\\text{ cm}", "5"),
+    ("5 \\text{ cm}^2", "5"),
+    ("2.50", "2.5"),
+    ("1,450,000", "1450000"),
+    ("3", "3.0000001"),
+]
 
 
 @pytest.mark.parametrize("answer, gold", FAST_PAIRS)
@@ -105,16 +125,42 @@ def test_fast_path_exactness_and_separators(monkeypatch):
 
 # --- acceptance 2: MATH answer conventions through math-verify ------------------------------------------------
 
-EQUIVALENT = [("\\frac{3}{4}", "\\dfrac{3}{4}"), ("\\frac{3}{4}", "\\tfrac34"), ("\\frac{3}{4}", "0.75"),
-              ("\\frac{3}{4}", "3/4"), ("\\$18.90", "\\$18.9"), ("10\\%", "10"), ("5\\text{ cm}", "5"),
-              (".5", "\\frac12"), ("(1,2)", "(1, 2)"), ("[0,1)", "[0, 1)"), ("(-\\infty, 2]", "(-\\infty,2]"),
-              ("1,2,3", "3, 2, 1"), ("\\{1,2,3\\}", "\\{3,2,1\\}"), ("x^2+2x+1", "(x+1)^2"),
-              ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"), ("2^{10}", "1024"), ("5", "x=5"), ("\\pi/2", "\\frac{\\pi}{2}"),
-              ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}")]
-NOT_EQUIVALENT = [("\\frac{3}{4}", "\\frac{4}{3}"), ("\\frac{3}{4}", "0.76"), ("\\$18.90", "18.09"),
-                  ("10\\%", "1"), ("(1,2)", "(2,1)"), ("[0,1)", "(0,1)"), ("[0,1)", "[0,1]"),
-                  ("x^2+2x+1", "x^2+2x"), ("1,2,3", "1,2"), ("\\sqrt{2}", "2"), ("\\pi", "3.14159"),
-                  ("-\\frac{1}{2}", "\\frac{1}{2}"), ("2x", "x^2")]
+EQUIVALENT = [
+    ("\\frac{3}{4}", "\\dfrac{3}{4}"),
+    ("\\frac{3}{4}", "\\tfrac34"),
+    ("\\frac{3}{4}", "0.75"),
+    ("\\frac{3}{4}", "3/4"),
+    ("\\$18.90", "\\$18.9"),
+    ("10\\%", "10"),
+    ("5\\text{ cm}", "5"),
+    (".5", "\\frac12"),
+    ("(1,2)", "(1, 2)"),
+    ("[0,1)", "[0, 1)"),
+    ("(-\\infty, 2]", "(-\\infty,2]"),
+    ("1,2,3", "3, 2, 1"),
+    ("\\{1,2,3\\}", "\\{3,2,1\\}"),
+    ("x^2+2x+1", "(x+1)^2"),
+    ("\\frac{\\sqrt{2}}{2}", "\\sqrt{2}/2"),
+    ("2^{10}", "1024"),
+    ("5", "x=5"),
+    ("\\pi/2", "\\frac{\\pi}{2}"),
+    ("\\begin{pmatrix}1\\\\2\\end{pmatrix}", "\\begin{pmatrix} 1 \\\\ 2 \\end{pmatrix}"),
+]
+NOT_EQUIVALENT = [
+    ("\\frac{3}{4}", "\\frac{4}{3}"),
+    ("\\frac{3}{4}", "0.76"),
+    ("\\$18.90", "18.09"),
+    ("10\\%", "1"),
+    ("(1,2)", "(2,1)"),
+    ("[0,1)", "(0,1)"),
+    ("[0,1)", "[0,1]"),
+    ("x^2+2x+1", "x^2+2x"),
+    ("1,2,3", "1,2"),
+    ("\\sqrt{2}", "2"),
+    ("\\pi", "3.14159"),
+    ("-\\frac{1}{2}", "\\frac{1}{2}"),
+    ("2x", "x^2"),
+]
 
 
 @pytest.mark.parametrize("gold, answer", EQUIVALENT)
@@ -190,10 +236,17 @@ def test_scaled():
 
 # --- RewardPool -----------------------------------------------------------------------------------------------
 
+
 def test_reward_pool_matches_score_details_and_kills_timeouts():
-    jobs = {"fast-right": ("\\boxed{-12}", "-12"), "fast-wrong": ("#### 7", "8"), "none": ("hmm", "1"),
-            "slow-right": ("\\boxed{\\frac{6}{8}}", "0.75"), "slow-wrong": ("\\boxed{[0,1]}", "[0,1)"),
-            "tower": (POWER_TOWER.replace("10", "9"), "5"), "after-tower": ("\\boxed{(y+1)^2}", "y^2+2y+1")}
+    jobs = {
+        "fast-right": ("\\boxed{-12}", "-12"),
+        "fast-wrong": ("#### 7", "8"),
+        "none": ("hmm", "1"),
+        "slow-right": ("\\boxed{\\frac{6}{8}}", "0.75"),
+        "slow-wrong": ("\\boxed{[0,1]}", "[0,1)"),
+        "tower": (POWER_TOWER.replace("10", "9"), "5"),
+        "after-tower": ("\\boxed{(y+1)^2}", "y^2+2y+1"),
+    }
     with RewardPool(num_workers=1, limits=ScoreLimits(timeout_s=1.0)) as pool:
         pool.submit("fast-right", *jobs["fast-right"])
         t0 = time.perf_counter()
@@ -239,6 +292,7 @@ def test_dead_workers_are_replaced():
 
 
 # --- evaluation metrics ---------------------------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("n, c, k", [(n, c, k) for n in range(1, 7) for c in range(n + 1) for k in range(1, n + 1)])
 def test_pass_at_k_matches_brute_force(n, c, k):

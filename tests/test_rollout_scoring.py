@@ -1,6 +1,7 @@
 """The rollout rank's overlapped scoring (rollout_worker.GroupScorer) gives exactly the trajectories that inline
 score() gives, timeouts included, never holds more than max_pending requests unscored, and collect() does not
 wait for math-verify."""
+
 import pytest
 import torch
 
@@ -27,21 +28,36 @@ GROUPS = {
 def finished(group_id: int, sample_idx: int, response: str) -> RequestOutput:
     """A finished request as the generator returns it; the response text stands in for its decoded tokens."""
     tokens = [ord(c) % 97 for c in response[:16]]
-    return RequestOutput(request_id=(group_id, sample_idx), prompt_ids=[1, group_id], token_ids=tokens,
-                         logprobs=[-0.5] * len(tokens), versions=[3] * len(tokens), finish_reason="stop")
+    return RequestOutput(
+        request_id=(group_id, sample_idx),
+        prompt_ids=[1, group_id],
+        token_ids=tokens,
+        logprobs=[-0.5] * len(tokens),
+        versions=[3] * len(tokens),
+        finish_reason="stop",
+    )
 
 
-def inline_group(group_id: int, prompt_id: int, gold: str, responses: list[str],
-                 limits: ScoreLimits) -> list[dict]:
+def inline_group(group_id: int, prompt_id: int, gold: str, responses: list[str], limits: ScoreLimits) -> list[dict]:
     """The reference: score() on each finished request, as a loop scoring inline would."""
     trajs = []
     for s, response in enumerate(responses):
         out = finished(group_id, s, response)
         correct = score(response, gold, limits) > 0
-        trajs.append(Trajectory(
-            prompt_id=prompt_id, sample_idx=s, prompt_ids=list(out.prompt_ids), response_ids=list(out.token_ids),
-            behav_logprobs=list(out.logprobs), versions=list(out.versions), reward=CORRECT if correct else WRONG,
-            finish_reason=out.finish_reason, group_id=group_id, correct=correct).to_dict())
+        trajs.append(
+            Trajectory(
+                prompt_id=prompt_id,
+                sample_idx=s,
+                prompt_ids=list(out.prompt_ids),
+                response_ids=list(out.token_ids),
+                behav_logprobs=list(out.logprobs),
+                versions=list(out.versions),
+                reward=CORRECT if correct else WRONG,
+                finish_reason=out.finish_reason,
+                group_id=group_id,
+                correct=correct,
+            ).to_dict()
+        )
     return trajs
 
 
@@ -93,18 +109,18 @@ def test_timeout_scores_as_inline(monkeypatch):
 def test_collect_never_waits_for_math_verify(monkeypatch):
     """A group scored on the fast path is collected while another's math-verify job is still running (one that
     never finishes within its limit), so the decode loop goes on."""
-    monkeypatch.setattr(rm, "_cache", rm._ResultCache())       # no verdict cached by an earlier test
+    monkeypatch.setattr(rm, "_cache", rm._ResultCache())  # no verdict cached by an earlier test
     scorer = GroupScorer(2, CORRECT, WRONG, max_pending=8, limits=PATIENT)
     try:
         scorer.pool.wait_ready()
         scorer.open(1, 0)
         scorer.open(2, 0)
-        scorer.submit(finished(2, 0, "s"), POWER_TOWER, "5")             # math-verify: busy for PATIENT's 30 s
-        scorer.submit(finished(1, 0, "a"), "#### 4", "4")                # fast path: scored inline
+        scorer.submit(finished(2, 0, "s"), POWER_TOWER, "5")  # math-verify: busy for PATIENT's 30 s
+        scorer.submit(finished(1, 0, "a"), "#### 4", "4")  # fast path: scored inline
         scorer.submit(finished(1, 1, "b"), "#### 5", "4")
         first = scorer.collect()
         assert [gid for gid, _ in first] == [1] and [t.reward for t in first[0][1]] == [CORRECT, WRONG]
-        assert scorer.pending == 1                                       # the power tower is still being scored
+        assert scorer.pending == 1  # the power tower is still being scored
     finally:
         scorer.close()
 

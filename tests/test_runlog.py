@@ -1,5 +1,6 @@
 """RunLog with W&B actually on (offline): the default config logs to W&B offline, while CI disables W&B for
 speed everywhere else -- this is the test that runs the W&B path a new user gets."""
+
 import json
 
 from config import load_config
@@ -24,7 +25,7 @@ def test_wandb_offline_run_logs_metrics_and_keeps_its_id(tmp_path, monkeypatch):
     finally:
         log.close()
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert rows[0]["reward_mean"] == 0.5 and rows[0]["loss"] is None      # strict JSON: NaN -> null
+    assert rows[0]["reward_mean"] == 0.5 and rows[0]["loss"] is None  # strict JSON: NaN -> null
     assert rows[-1]["step"] == 1 and rows[-1]["eval_accuracy"] == 0.25
     offline_runs = [d for d in (run_dir / "wandb").iterdir() if d.name.startswith("offline-run-")]
     assert offline_runs and any(first_id in d.name for d in offline_runs)

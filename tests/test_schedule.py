@@ -1,4 +1,5 @@
 """Planner tests: optimality vs --exhaustive, plan-JSON invariants, objectives, and clear errors."""
+
 from __future__ import annotations
 
 import json
@@ -18,11 +19,20 @@ import schedule as sc  # noqa: E402
 from parallel.rankmap import PlanError  # noqa: E402
 
 TYPES = {  # the paper's two GPUs plus two made-up ones, so 3-type clusters exist
-    "A": cm.GPUType("A", 80, 756, 2.0, 5.28, 200), "B": cm.GPUType("B", 96, 148, 4.0, 1.85, 450),
-    "C": cm.GPUType("C", 48, 362, 0.86, 1.2, 64), "D": cm.GPUType("D", 24, 165, 1.0, 0.8, 32)}
+    "A": cm.GPUType("A", 80, 756, 2.0, 5.28, 200),
+    "B": cm.GPUType("B", 96, 148, 4.0, 1.85, 450),
+    "C": cm.GPUType("C", 48, 362, 0.86, 1.2, 64),
+    "D": cm.GPUType("D", 24, 165, 1.0, 0.8, 32),
+}
 SMALL_MODEL = cm.load_model("qwen2.5-0.5b")
-WL = cm.Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=256, gen_samples=[300, 800, 1500, 4000],
-                 eta=2, microbatch_tokens=8192)
+WL = cm.Workload(
+    prompts_per_step=64,
+    samples_per_prompt=8,
+    prompt_len=256,
+    gen_samples=[300, 800, 1500, 4000],
+    eta=2,
+    microbatch_tokens=8192,
+)
 
 
 def random_cluster(seed: int, max_gpus: int = 12) -> cm.Cluster:
@@ -44,8 +54,16 @@ def random_cluster(seed: int, max_gpus: int = 12) -> cm.Cluster:
 
 
 def tiny_config(tmp_path: Path, **over) -> Path:
-    cfg = {"model_type": "llama", "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "tie_word_embeddings": True}
+    cfg = {
+        "model_type": "llama",
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "vocab_size": 512,
+        "tie_word_embeddings": True,
+    }
     cfg.update(over)
     d = tmp_path / "tiny"
     d.mkdir(exist_ok=True)
@@ -54,6 +72,7 @@ def tiny_config(tmp_path: Path, **over) -> Path:
 
 
 # ----------------------------------------------------------------------------- optimality
+
 
 def test_planner_matches_exhaustive_on_50_random_small_clusters():
     # the run time of this check is measured by exp/bench_schedule.py
@@ -71,8 +90,15 @@ def test_planner_matches_exhaustive_on_50_random_small_clusters():
 
 def test_training_bound_workload_is_planned_too():
     """The paper assumes C_I > C_T; a workload with short generations and many PPO passes is training-bound."""
-    wl = cm.Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=1024, gen_samples=[64], eta=2,
-                     ppo_minibatches=8, train_passes=12.0)
+    wl = cm.Workload(
+        prompts_per_step=64,
+        samples_per_prompt=8,
+        prompt_len=1024,
+        gen_samples=[64],
+        eta=2,
+        ppo_minibatches=8,
+        train_passes=12.0,
+    )
     cluster = random_cluster(3)
     fast = sc.Planner(cluster, SMALL_MODEL, wl).solve()
     brute = sc.Planner(cluster, SMALL_MODEL, wl).exhaustive()
@@ -81,8 +107,9 @@ def test_training_bound_workload_is_planned_too():
 
 
 def test_rollout_milp_equals_brute_force():
-    cluster = cm.Cluster("r", {"A": TYPES["A"]}, [cm.Machine(i, "A", n) for i, n in enumerate([4, 2, 1, 3])],
-                         {("A", "A"): 5.0})
+    cluster = cm.Cluster(
+        "r", {"A": TYPES["A"]}, [cm.Machine(i, "A", n) for i, n in enumerate([4, 2, 1, 3])], {("A", "A"): 5.0}
+    )
     model = cm.load_model("deepseek-r1-distill-qwen-7b")
     p = sc.Planner(cluster, model, WL)
     for free in [(4,), (3, 2), (4, 2, 1), (4, 3, 2, 1), (1, 1, 1)]:
@@ -94,6 +121,7 @@ def test_rollout_milp_equals_brute_force():
 
 
 # ----------------------------------------------------------------------------- plan JSON invariants
+
 
 def check_plan(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec) -> None:
     ranks = plan["ranks"]
@@ -112,17 +140,23 @@ def check_plan(plan: dict, cluster: cm.Cluster, model: cm.ModelSpec) -> None:
     for s in tr["stages"]:
         members = [ranks[i] for i in s["ranks"]]
         assert len(members) == tr["dp"] * tr["tp"]
-        assert all(m["pp"] == s["pp"] and m["gpu_type"] == s["gpu_type"] and m["layers"] == s["layers"] for m in members)
+        assert all(
+            m["pp"] == s["pp"] and m["gpu_type"] == s["gpu_type"] and m["layers"] == s["layers"] for m in members
+        )
     reps = plan["rollout"]["replicas"]
     assert sum(r["share"] for r in reps) == pytest.approx(1.0)
     seen = set()
     for rep in reps:
         assert len(rep["ranks"]) == rep["tp"] * rep["pp"]
         for k in range(rep["pp"]):  # every TP group inside one machine, one GPU type
-            group = [ranks[i] for i in rep["ranks"][k * rep["tp"]:(k + 1) * rep["tp"]]]
+            group = [ranks[i] for i in rep["ranks"][k * rep["tp"] : (k + 1) * rep["tp"]]]
             assert len({g["machine"] for g in group}) == 1
         for i in rep["ranks"]:
-            assert ranks[i]["role"] == "rollout" and ranks[i]["replica"] == rep["id"] and ranks[i]["gpu_type"] == rep["gpu_type"]
+            assert (
+                ranks[i]["role"] == "rollout"
+                and ranks[i]["replica"] == rep["id"]
+                and ranks[i]["gpu_type"] == rep["gpu_type"]
+            )
             seen.add(i)
     per_machine = {}
     for r in ranks:
@@ -151,16 +185,35 @@ def test_plan_json_invariants_paper_cluster():
 
 # ----------------------------------------------------------------------------- cpu cluster and CLI
 
+
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(ROOT / "schedule.py"), *args], capture_output=True, text=True,
-                          cwd=ROOT, timeout=120)
+    return subprocess.run(
+        [sys.executable, str(ROOT / "schedule.py"), *args], capture_output=True, text=True, cwd=ROOT, timeout=120
+    )
 
 
 def test_cpu_cluster_cli_gives_valid_rank_map(tmp_path):
     model_dir = tiny_config(tmp_path)
     out = tmp_path / "plan.json"
-    res = run_cli("--cluster", "exp/clusters/cpu.yaml", "--model", str(model_dir), "--nproc", "3",
-                  "--prompts", "8", "--samples", "4", "--prompt-len", "32", "--gen-mean", "64", "--out", str(out), "--plot")
+    res = run_cli(
+        "--cluster",
+        "exp/clusters/cpu.yaml",
+        "--model",
+        str(model_dir),
+        "--nproc",
+        "3",
+        "--prompts",
+        "8",
+        "--samples",
+        "4",
+        "--prompt-len",
+        "32",
+        "--gen-mean",
+        "64",
+        "--out",
+        str(out),
+        "--plot",
+    )
     assert res.returncode == 0, res.stderr
     plan = json.loads(out.read_text())
     check_plan(plan, cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 3), cm.load_model(model_dir))
@@ -179,16 +232,19 @@ def test_forced_train_layout(tmp_path):
         assert sum(r["role"] == "rollout" for r in plan["ranks"]) == n - math.prod(layout)
 
 
-@pytest.mark.parametrize("args, needle", [
-    (["--cluster", "exp/clusters/cpu.yaml", "--model", "deepseek-r1-distill-qwen-14b"], "memory"),
-    (["--cluster", "exp/clusters/hetero_32.yaml", "--model", "qwen2.5-0.5b", "--budget", "3"], "budget"),
-    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--nproc", "1"], "--nproc"),
-    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--train-layout", "4,1,1"], "train-layout"),
-    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--train-layout", "x"], "dp,tp,pp"),
-    (["--cluster", "nope.yaml", "--model", "qwen2.5-0.5b"], "cluster spec not found"),
-    (["--cluster", "exp/clusters/cpu.yaml", "--model", "no-such-model"], "model config not found"),
-    (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--eta", "-1"], "eta"),
-])
+@pytest.mark.parametrize(
+    "args, needle",
+    [
+        (["--cluster", "exp/clusters/cpu.yaml", "--model", "deepseek-r1-distill-qwen-14b"], "memory"),
+        (["--cluster", "exp/clusters/hetero_32.yaml", "--model", "qwen2.5-0.5b", "--budget", "3"], "budget"),
+        (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--nproc", "1"], "--nproc"),
+        (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--train-layout", "4,1,1"], "train-layout"),
+        (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--train-layout", "x"], "dp,tp,pp"),
+        (["--cluster", "nope.yaml", "--model", "qwen2.5-0.5b"], "cluster spec not found"),
+        (["--cluster", "exp/clusters/cpu.yaml", "--model", "no-such-model"], "model config not found"),
+        (["--cluster", "exp/clusters/cpu.yaml", "--model", "qwen2.5-0.5b", "--eta", "-1"], "eta"),
+    ],
+)
 def test_cli_errors_are_one_line(args, needle):
     res = run_cli(*args)
     assert res.returncode == 2
@@ -203,6 +259,7 @@ def test_role_left_empty_is_an_error():
 
 
 # ----------------------------------------------------------------------------- objectives
+
 
 def test_budget_and_min_cost_objectives():
     cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
@@ -241,14 +298,22 @@ def test_calibrate_recovers_known_constants():
     """Measurements generated with known constants are fitted back from different starting values."""
     cluster = cm.load_cluster(ROOT / "exp/clusters/h800_24.yaml")
     wl = cm.Workload(prompts_per_step=32, samples_per_prompt=8, prompt_len=128, gen_samples=[500, 2000, 6000])
-    true = cm.Efficiency(per_type={"H800": cm.TypeEfficiency(mfu_train=0.23, mfu_infer=0.5, hbm_eff=0.31)},
-                         link_eff=0.4, sync_latency_s=1.5)
+    true = cm.Efficiency(
+        per_type={"H800": cm.TypeEfficiency(mfu_train=0.23, mfu_infer=0.5, hbm_eff=0.31)},
+        link_eff=0.4,
+        sync_latency_s=1.5,
+    )
     points = []
     for name in ("qwen2.5-0.5b", "deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b"):
         model = cm.load_model(name)
         ev = sc.Planner(cluster, model, wl, true).evaluate((8, 0, 0))
-        points.append((sc.Planner(cluster, model, wl), (8, 0, 0),
-                       {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s}))
+        points.append(
+            (
+                sc.Planner(cluster, model, wl),
+                (8, 0, 0),
+                {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s},
+            )
+        )
     fit = sc.calibrate(points)
     assert fit.per_type["H800"].mfu_train == pytest.approx(0.23, rel=0.02)
     assert fit.per_type["H800"].hbm_eff == pytest.approx(0.31, rel=0.05)

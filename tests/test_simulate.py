@@ -1,4 +1,5 @@
 """Simulator tests: eta behaviour, staleness, agreement with the planner, and the measured-profile hook."""
+
 from __future__ import annotations
 
 import sys
@@ -10,18 +11,35 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
 
+import simulate as sim  # noqa: E402
+
 import cost_model as cm  # noqa: E402
 import schedule as sc  # noqa: E402
-import simulate as sim  # noqa: E402
 
 
 @pytest.fixture(scope="module")
 def plan() -> dict:
     cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4)
-    model = cm.model_from_config({"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
-                                  "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512}, "tiny")
-    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=4, prompt_len=32, gen_samples=[32, 100, 300, 900],
-                     eta=2, max_batch=8, microbatch_tokens=2048)
+    model = cm.model_from_config(
+        {
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "vocab_size": 512,
+        },
+        "tiny",
+    )
+    wl = cm.Workload(
+        prompts_per_step=16,
+        samples_per_prompt=4,
+        prompt_len=32,
+        gen_samples=[32, 100, 300, 900],
+        eta=2,
+        max_batch=8,
+        microbatch_tokens=2048,
+    )
     return sc.plan(cluster, model, wl, cm.Efficiency(sync_latency_s=0.05))
 
 
@@ -39,7 +57,7 @@ def test_async_beats_sync_and_staleness_respects_eta(plan):
 def test_eta_sweep_grows_then_saturates(plan):
     tput = [sim.simulate(plan, steps=10, eta=e)["tokens_per_s"] for e in (0, 1, 4, 8)]
     assert tput[1] > tput[0]
-    assert tput[3] == pytest.approx(tput[2], rel=0.15)   # saturated: more staleness buys little
+    assert tput[3] == pytest.approx(tput[2], rel=0.15)  # saturated: more staleness buys little
 
 
 def test_deterministic_for_a_seed(plan):
@@ -77,7 +95,7 @@ def test_long_tail_workload_keeps_the_mean_and_rejects_bad_sigma(plan):
     wl = sim.long_tail_workload(plan, 1.5)
     base = cm.Workload(**plan["inputs"]["workload"])
     assert max(wl.gen_samples) > 5 * min(wl.gen_samples)
-    assert wl.gen_mean == pytest.approx(base.gen_mean, rel=0.05)         # the 20x-mean cap trims a little
+    assert wl.gen_mean == pytest.approx(base.gen_mean, rel=0.05)  # the 20x-mean cap trims a little
     with pytest.raises(ValueError, match="sigma"):
         sim.long_tail_workload(plan, 0.0)
 
@@ -86,8 +104,11 @@ def test_long_tail_workload_keeps_the_mean_and_rejects_bad_sigma(plan):
 def test_simulator_runs_the_buffers_rule(plan, eta):
     """Under long tails the buffer's own rules keep the bound; plain AReaL (completion order) does not."""
     wl = sim.long_tail_workload(plan, 1.5)
-    worst = {order: max(sim.simulate(plan, wl, steps=12, eta=eta, seed=s, consume_order=order)["staleness"]["max"]
-                        for s in range(3))
-             for order in ("deadline", "admission", "completion")}
+    worst = {
+        order: max(
+            sim.simulate(plan, wl, steps=12, eta=eta, seed=s, consume_order=order)["staleness"]["max"] for s in range(3)
+        )
+        for order in ("deadline", "admission", "completion")
+    }
     assert worst["deadline"] <= eta and worst["admission"] <= eta
     assert worst["completion"] > eta
