@@ -196,16 +196,17 @@ class CheckpointWriter:
             for _, d in complete_checkpoints(self.root.parent)[: -self.keep]:
                 shutil.rmtree(d, ignore_errors=True)
 
-    def retire_after(self, step: int) -> list[Path]:
-        """Resuming from step N: later checkpoints belong to an abandoned timeline (their ledger lines are being
-        truncated), so they lose their step_ name and can never be picked by resume=auto."""
-        retired = []
-        for s, d in complete_checkpoints(self.root.parent):
-            if s > step:
-                target = d.with_name(f"abandoned_step_{s}_{int(time.time())}")
-                os.rename(d, target)
-                retired.append(target)
-        return retired
+
+def retire_checkpoints_after(run_dir: Path, step: int) -> list[Path]:
+    """Resuming from step N: later checkpoints belong to an abandoned timeline (their ledger lines are being
+    truncated), so they lose their step_ name and can never be picked by resume=auto."""
+    retired = []
+    for s, d in complete_checkpoints(Path(run_dir)):
+        if s > step:
+            target = d.with_name(f"abandoned_step_{s}_{int(time.time())}")
+            os.rename(d, target)
+            retired.append(target)
+    return retired
 
 
 def truncate_logs(run_dir: Path, sizes: dict[str, int]) -> dict[str, int]:
@@ -254,7 +255,7 @@ def open_run(cfg: Config, checkpoint: Path | None, state: dict | None, plan: dic
     if checkpoint is not None:
         run_dir = run_dir_of(checkpoint)
         dropped = truncate_logs(run_dir, state["log_sizes"])
-        retired = CheckpointWriter(run_dir, 0, None, None).retire_after(state["version"])
+        retired = retire_checkpoints_after(run_dir, state["version"])
         print(
             f"hexrl: resuming from {checkpoint} (step {state['version']}); dropped {dropped} bytes of log "
             f"written after it; set aside later checkpoints {[p.name for p in retired]}",

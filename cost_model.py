@@ -260,7 +260,7 @@ def model_from_config(cfg: dict, name: str = "model") -> ModelSpec:
     return spec
 
 
-def load_model(ref: str | os.PathLike) -> ModelSpec:
+def load_model_spec(ref: str | os.PathLike) -> ModelSpec:
     """A config.json file, a directory holding one, or the name of one shipped in exp/models/."""
     p = Path(ref)
     if p.is_dir():
@@ -392,7 +392,7 @@ class Efficiency:
 # ----------------------------------------------------------------------------- rollout
 
 
-def split_layers(layers: int, parts: int) -> list[int]:
+def layer_counts(layers: int, parts: int) -> list[int]:
     base, extra = divmod(layers, parts)
     return [base + (1 if i < extra else 0) for i in range(parts)]
 
@@ -429,7 +429,7 @@ def decode_round_s(
     hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff
     flops = gpu.tflops * 1e12 * eff.mfu_infer
     kv_layer = model.kv_bytes_per_token_layer(nbytes, tp)
-    stage_layers = split_layers(model.layers, pp)
+    stage_layers = layer_counts(model.layers, pp)
     tp_comm = 0.0
     if tp > 1:
         tp_comm = 2 * (LINK_LATENCY_S + 2 * (tp - 1) / tp * batch * model.hidden * nbytes / (gpu.intra_gbps * 1e9))
@@ -449,7 +449,7 @@ def replica_memory_batch(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: W
     nbytes = wl.bytes
     kv_seq_layer = model.kv_bytes_per_token_layer(nbytes, tp) * wl.decode_context * 1.1  # 10% paging slack
     best = None
-    for k, lk in enumerate(split_layers(model.layers, pp)):
+    for k, lk in enumerate(layer_counts(model.layers, pp)):
         weights = (lk * model.layer_params + (model.head_params if k in (0, pp - 1) else 0)) * nbytes / tp
         workspace = 0.5e9 + 0.02 * gpu.hbm_gb * 1e9  # activations, CUDA graphs, allocator fragmentation
         free = gpu.hbm_gb * 1e9 * mem_frac - weights - workspace

@@ -296,11 +296,11 @@ def load_task_splits(data_cfg) -> tuple[list[dict], list[dict]]:
     return rows[num_test:], rows[:num_test]
 
 
-def format_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> str:
+def chat_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> str:
     """The text the policy sees: the tokenizer's chat template when it has one, else a plain Q/A template.
     Either way the model is told to put its final answer in \\boxed{} (what reward_math extracts first)."""
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"format_prompt needs a non-empty question string, got {question!r}")
+        raise ValueError(f"chat_prompt needs a non-empty question string, got {question!r}")
     content = f"{question.strip()}\n{instruction}" if instruction else question.strip()
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(

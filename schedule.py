@@ -767,7 +767,7 @@ def plan_main(argv: list[str]) -> int:
         raise PlanError(f"--exhaustive is for small clusters (<= 16 GPUs), this one has {cluster.n_gpus}")
     result = plan(
         cluster,
-        cm.load_model(a.model),
+        cm.load_model_spec(a.model),
         workload_from(a),
         Efficiency.load(a.efficiency),
         budget=a.budget,

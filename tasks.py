@@ -134,5 +134,5 @@ def load_task(data_cfg, tokenizer) -> tuple[list[dict], list[dict]]:
 
     train, test = math_data.load_task_splits(data_cfg)
     for row in train + test:
-        row["prompt"] = math_data.format_prompt(tokenizer, row["question"])
+        row["prompt"] = math_data.chat_prompt(tokenizer, row["question"])
     return train, test[: data_cfg.num_test] if data_cfg.num_test else test

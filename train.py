@@ -113,7 +113,7 @@ def load_tokenizer_and_config(cfg: Config):
     return tok, hf_config
 
 
-def load_model(cfg: Config, device: torch.device):
+def load_policy(cfg: Config, device: torch.device):
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -604,7 +604,7 @@ def main(argv: list[str]) -> int:
     if groups.role == "rollout":
         from rollout_worker import RolloutWorker
 
-        RolloutWorker(cfg, load_model(cfg, device), tok, train_rows, test_rows, head, device).run()
+        RolloutWorker(cfg, load_policy(cfg, device), tok, train_rows, test_rows, head, device).run()
         return 0
     if rank != head:
         trainer = make_trainer(cfg, groups, device)

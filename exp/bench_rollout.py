@@ -187,7 +187,7 @@ def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
 # ----------------------------------------------------------------------------- main
 
 
-def load_model(name: str, device: torch.device, dtype: torch.dtype):
+def load_bench_model(name: str, device: torch.device, dtype: torch.dtype):
     if name == "tiny":
         model = AutoModelForCausalLM.from_pretrained(TINY_DIR, dtype=torch.float32)
         stop = [model.config.eos_token_id]
@@ -255,10 +255,10 @@ def main() -> None:
         if name == "tiny" and not (TINY_DIR / "config.json").exists():
             print(f"skip tiny: {TINY_DIR} not built")
             continue
-        model, stop = load_model(name, device, dtype)
+        model, stop = load_bench_model(name, device, dtype)
         # HF runs on its own copy, as loaded: our Generator re-lays the projection weights it fuses (on CPU
         # input-major where MKL is faster), which would change HF's GEMMs too if it ran on the same modules.
-        hf_model, _ = load_model(name, device, dtype)
+        hf_model, _ = load_bench_model(name, device, dtype)
         n_params = sum(p.numel() for p in model.parameters())
         weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
         rng = random.Random(0)

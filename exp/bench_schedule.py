@@ -42,7 +42,7 @@ def big_cluster(h800_machines: int, h20_machines: int) -> cm.Cluster:
 
 
 def main() -> None:
-    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
     wl = workload()
     clusters = [cm.load_cluster(ROOT / f"exp/clusters/hetero_{n}.yaml") for n in (24, 32, 40, 56)]
     clusters.append(big_cluster(16, 48))

@@ -70,7 +70,7 @@ def calibrate_on_h800() -> cm.Efficiency:
     wl = workload()
     points = []
     for size, name in MODELS.items():
-        p = sc.Planner(h800, cm.load_model(name), wl)
+        p = sc.Planner(h800, cm.load_model_spec(name), wl)
         rollout_s, train_s = FIG4_H800[size]
         points.append((p, (8, 0, 0), {"rollout_s": rollout_s, "train_s": train_s, "sync_s": SYNC[size][0]}))
     eff = sc.calibrate(points)
@@ -135,7 +135,7 @@ def equal_budget(eff: cm.Efficiency, label: str) -> dict:
     print(f"\n== 2{label}. equal budget (~$126.7/h): Fig. 3 throughput, Fig. 4 breakdown, Table 2 sync ==")
     h800_plans = {}
     for size, name in MODELS.items():
-        model = cm.load_model(name)
+        model = cm.load_model_spec(name)
         plans = {
             "H800": best("h800_24", model, eff),
             "H20": best("h20_equal_budget", model, eff),
@@ -166,7 +166,7 @@ def equal_budget(eff: cm.Efficiency, label: str) -> dict:
 def equal_throughput(eff: cm.Efficiency, h800_plans: dict, label: str) -> None:
     print(f"\n== 3{label}. Table 4: cost at the H800 throughput ==")
     for size, name in MODELS.items():
-        model = cm.load_model(name)
+        model = cm.load_model_spec(name)
         target = h800_plans[size]["predicted"]["tokens_per_s"]
         try:
             cheap = best("hetero_pool", model, eff, min_tokens_per_s=target)

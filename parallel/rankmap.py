@@ -19,7 +19,7 @@ class PlanError(ValueError):
     """The plan is unusable (unreadable, inconsistent, or infeasible); the message names the problem."""
 
 
-def split_layers(num_layers: int, pp: int) -> list[list[int]]:
+def stage_layer_ranges(num_layers: int, pp: int) -> list[list[int]]:
     base, extra = divmod(num_layers, pp)
     bounds, start = [], 0
     for s in range(pp):

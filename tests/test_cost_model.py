@@ -63,7 +63,7 @@ def test_parameter_count_matches_transformers_exactly(tmp_path):
         d = tmp_path / cfg.model_type
         cfg.save_pretrained(d)
         model = transformers.AutoModelForCausalLM.from_config(cfg)
-        assert cm.load_model(d).params == sum(p.numel() for p in model.parameters()), cfg.model_type
+        assert cm.load_model_spec(d).params == sum(p.numel() for p in model.parameters()), cfg.model_type
 
 
 def test_shipped_model_shapes():
@@ -74,14 +74,14 @@ def test_shipped_model_shapes():
         "qwen2.5-0.5b": 0.494e9,
     }
     for name, n in sizes.items():
-        assert cm.load_model(name).params == pytest.approx(n, rel=1e-3)
-        assert cm.load_model(ROOT / "exp/models" / f"{name}.json").params == cm.load_model(name).params
+        assert cm.load_model_spec(name).params == pytest.approx(n, rel=1e-3)
+        assert cm.load_model_spec(ROOT / "exp/models" / f"{name}.json").params == cm.load_model_spec(name).params
 
 
 def test_bad_specs_name_the_problem(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 8}))
     with pytest.raises(cm.SpecError, match="num_attention_heads|num_hidden_layers|intermediate|vocab"):
-        cm.load_model(tmp_path)
+        cm.load_model_spec(tmp_path)
     spec = {
         "gpu_types": {"X": {"hbm_gb": 1, "tflops": 1, "hbm_tbps": 1, "dollars_per_hour": 1, "intra_gbps": 1}},
         "machines": [{"gpu_type": "Y", "gpus": 2}],
@@ -120,7 +120,7 @@ def test_workload_quantiles_keep_the_mean():
 
 
 def test_decode_roofline_regimes():
-    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
     eff = cm.TypeEfficiency(mfu_train=0.4, mfu_infer=1.0, hbm_eff=1.0)
     # batch 1, no context: pure weight scan -> bytes / bandwidth exactly
     t = cm.decode_round_s(model, H800, eff, 1, 1, 1, 0.0, 2, 5.0)
@@ -137,7 +137,7 @@ def test_decode_roofline_regimes():
 def test_replica_memory_limits_batch_and_feasibility():
     wl = cm.Workload(gen_samples=[4000], max_batch=10**6)
     eff = cm.Efficiency()
-    m14 = cm.load_model("deepseek-r1-distill-qwen-14b")
+    m14 = cm.load_model_spec("deepseek-r1-distill-qwen-14b")
     small = cm.GPUType("S", 24, 100, 1.0, 1.0, 50)
     assert cm.replica_cost(m14, small, 1, 1, wl, eff, 5.0) is None  # 29.5 GB of weights > 24 GB
     assert cm.replica_cost(m14, small, 2, 1, wl, eff, 5.0) is not None  # halves fit
@@ -148,7 +148,7 @@ def test_replica_memory_limits_batch_and_feasibility():
 
 
 def test_train_step_scales_with_efficiency_and_counts_the_bubble():
-    model = cm.load_model("qwen2.5-0.5b")
+    model = cm.load_model_spec("qwen2.5-0.5b")
     wl = cm.Workload(
         prompts_per_step=16, samples_per_prompt=4, gen_samples=[1000], ppo_minibatches=1, microbatch_tokens=4096
     )
@@ -156,7 +156,7 @@ def test_train_step_scales_with_efficiency_and_counts_the_bubble():
 
     def step(mfu: float, pp: int, dp: int = 1) -> float:
         eff = cm.Efficiency(per_type={"H800": cm.TypeEfficiency(mfu_train=mfu)})
-        stages = [cm.StageSpec("H800", l, (0,), 200, 200, 200) for l in cm.split_layers(model.layers, pp)]
+        stages = [cm.StageSpec("H800", l, (0,), 200, 200, 200) for l in cm.layer_counts(model.layers, pp)]
         return cm.train_step_seconds(model, stages, dp, 1, types, wl, eff)
 
     assert step(0.2, 1) / step(0.4, 1) == pytest.approx(2, rel=0.05)
@@ -169,7 +169,7 @@ def test_train_step_scales_with_efficiency_and_counts_the_bubble():
 def test_sync_time_is_linear_in_bytes_and_step_formula():
     eff = cm.Efficiency(link_eff=0.25, sync_latency_s=2.0)
     wl = cm.Workload()
-    m = cm.load_model("deepseek-r1-distill-qwen-1.5b")
+    m = cm.load_model_spec("deepseek-r1-distill-qwen-1.5b")
     s = cm.sync_seconds(m, wl, eff, 5.0)
     assert s == pytest.approx(2.0 + m.params * 2 / (0.25 * 5e9))
     assert cm.sync_seconds(m, wl, eff, 5.0, 0.5) - 2.0 == pytest.approx((s - 2.0) / 2)

@@ -10,9 +10,9 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
 
 
 def run_layout(tmp_path, model_dir, dp, tp, pp):
-    from parallel.rankmap import make_train_plan, split_layers
+    from parallel.rankmap import make_train_plan, stage_layer_ranges
 
-    plan = make_train_plan(dp, tp, pp, [tuple(x) for x in split_layers(2, pp)], world_size=dp * tp * pp + 1)
+    plan = make_train_plan(dp, tp, pp, [tuple(x) for x in stage_layer_ranges(2, pp)], world_size=dp * tp * pp + 1)
     plan_file = tmp_path / f"plan_{dp}{tp}{pp}.json"
     plan_file.write_text(json.dumps(plan))
     name = f"l{dp}{tp}{pp}"

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import math_data
-from math_data import BadRowError, FieldMap, format_prompt, load_math_dataset, load_task_splits
+from math_data import BadRowError, FieldMap, chat_prompt, load_math_dataset, load_task_splits
 
 torch.set_num_threads(1)
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "data", "gsm8k")
@@ -216,15 +216,15 @@ def tiny_tokenizer(chat_template=None):
     return fast
 
 
-def test_format_prompt_with_and_without_chat_template():
+def test_chat_prompt_with_and_without_chat_template():
     template = (
         "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
-    chat = format_prompt(tiny_tokenizer(template), "  What is 2+2? ")
+    chat = chat_prompt(tiny_tokenizer(template), "  What is 2+2? ")
     assert chat == f"<|user|>What is 2+2?\n{math_data.INSTRUCTION}<|end|><|assistant|>"
-    plain = format_prompt(tiny_tokenizer(), "What is 2+2?")
-    assert plain == format_prompt(None, "What is 2+2?") == f"Question: What is 2+2?\n{math_data.INSTRUCTION}\nAnswer:"
+    plain = chat_prompt(tiny_tokenizer(), "What is 2+2?")
+    assert plain == chat_prompt(None, "What is 2+2?") == f"Question: What is 2+2?\n{math_data.INSTRUCTION}\nAnswer:"
     assert "\\boxed{}" in math_data.INSTRUCTION
     with pytest.raises(ValueError, match="non-empty question"):
-        format_prompt(None, "   ")
+        chat_prompt(None, "   ")

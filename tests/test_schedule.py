@@ -24,7 +24,7 @@ TYPES = {  # the paper's two GPUs plus two made-up ones, so 3-type clusters exis
     "C": cm.GPUType("C", 48, 362, 0.86, 1.2, 64),
     "D": cm.GPUType("D", 24, 165, 1.0, 0.8, 32),
 }
-SMALL_MODEL = cm.load_model("qwen2.5-0.5b")
+SMALL_MODEL = cm.load_model_spec("qwen2.5-0.5b")
 WL = cm.Workload(
     prompts_per_step=64,
     samples_per_prompt=8,
@@ -110,7 +110,7 @@ def test_rollout_milp_equals_brute_force():
     cluster = cm.Cluster(
         "r", {"A": TYPES["A"]}, [cm.Machine(i, "A", n) for i, n in enumerate([4, 2, 1, 3])], {("A", "A"): 5.0}
     )
-    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
     p = sc.Planner(cluster, model, WL)
     for free in [(4,), (3, 2), (4, 2, 1), (4, 3, 2, 1), (1, 1, 1)]:
         milp, sol = p._type_rollout_milp("A", free)
@@ -177,7 +177,7 @@ def test_plan_json_invariants_random(seed):
 
 def test_plan_json_invariants_paper_cluster():
     cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
-    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
     plan = sc.plan(cluster, model, cm.Workload(prompts_per_step=64, gen_samples=[2000, 5000]))
     check_plan(plan, cluster, model)
     assert json.loads(json.dumps(plan)) == plan
@@ -216,13 +216,13 @@ def test_cpu_cluster_cli_gives_valid_rank_map(tmp_path):
     )
     assert res.returncode == 0, res.stderr
     plan = json.loads(out.read_text())
-    check_plan(plan, cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 3), cm.load_model(model_dir))
+    check_plan(plan, cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 3), cm.load_model_spec(model_dir))
     assert (tmp_path / "plan.png").stat().st_size > 1000
     assert "tokens/s" in res.stdout
 
 
 def test_forced_train_layout(tmp_path):
-    model = cm.load_model(tiny_config(tmp_path))
+    model = cm.load_model_spec(tiny_config(tmp_path))
     wl = cm.Workload(prompts_per_step=8, samples_per_prompt=4, prompt_len=32, gen_samples=[64])
     for layout, n in [((1, 2, 1), 4), ((1, 1, 2), 4), ((2, 1, 1), 3), ((1, 1, 3), 4)]:
         cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", n)
@@ -286,7 +286,7 @@ def test_budget_and_min_cost_objectives():
 def test_more_hbm_bandwidth_goes_to_rollout():
     """The paper's thesis on its own GPUs: H20s decode, H800s train (7B, long generations)."""
     cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
-    model = cm.load_model("deepseek-r1-distill-qwen-7b")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
     wl = cm.Workload(prompts_per_step=64, prompt_len=256, gen_samples=[1000, 2000, 4000, 12000], eta=4)
     plan = sc.plan(cluster, model, wl)
     h800 = [r for r in plan["ranks"] if r["gpu_type"] == "H800"]
@@ -305,7 +305,7 @@ def test_calibrate_recovers_known_constants():
     )
     points = []
     for name in ("qwen2.5-0.5b", "deepseek-r1-distill-qwen-1.5b", "deepseek-r1-distill-qwen-7b"):
-        model = cm.load_model(name)
+        model = cm.load_model_spec(name)
         ev = sc.Planner(cluster, model, wl, true).evaluate((8, 0, 0))
         points.append(
             (
