@@ -1,10 +1,34 @@
-"""KV-cached, continuously batched generator over HF Llama / Qwen2 / Qwen3 / Mistral weights.
+"""The rollout rank: its loop (top of the story, `RolloutWorker`), our KV-cached generator and its sampler.
 
+The rank generates GRPO groups for the train head and applies new weights between decode steps.
+Messages from the head (parallel/channel.py), handled between decode steps:
+  grant    {groups: [[group_id, prompt_id], ...]}  -> G requests each, per-request seeds
+  weights  {version, buckets}                      -> receive, verify, gen.update_weights (interruptible:
+                                                      sequences in flight continue under the new version)
+  eval     {version, prompt_ids}                   -> greedy accuracy on held-out prompts, answered at once
+  stop     {}                                      -> answer `bye` and return
+  abort    {reason}                                -> the run is over (the head has printed why): raise Aborted
+To the head: `ready` once (model loaded, generator built, reward worker started: plan.rollout_timeout_s counts
+only from here, so a slow start is not mistaken for a stuck rank), `result` (one finished group, with this
+rank's counters), `eval_result`, and `alive` (counters) whenever nothing else was sent for a while, so the head
+can tell a slow rank from a stuck one.
+
+Scoring overlaps decoding: a finished request goes to GroupScorer (a RewardPool: plain-number answers scored at
+once, the rest by a math-verify worker process) and the loop decodes on; scores are collected without blocking
+between decode steps, and a group's `result` goes out once its G samples are scored. At most
+rollout.max_pending_scores requests wait for a score; past that the loop waits for scores before it decodes on.
+New weights and evals do not wait for pending scores (a score does not depend on the policy); a stop waits for
+them, so every group decoded before it is sent before `bye`; an abort drops them (the run is over).
+
+The generator: KV-cached, continuously batched, over HF Llama / Qwen2 / Qwen3 / Mistral weights.
 Rollout is HBM-bandwidth bound, so we own the three things that decide its speed and exactness:
 the KV cache (preallocated, one row per slot), the attention + decode loop, and the sampler.
 Everything else is the HF model's own modules and weights (embed_tokens, each layer's norms,
 q/k/v/o projections and MLP, the final norm, lm_head and the rotary embedding), so a trainer that
-updates `model.state_dict()` names updates us, and nothing depends on HF's cache API.
+updates `model.state_dict()` names updates us, and nothing depends on HF's cache API. The HF pieces we
+run our way (RoPE with a signed sin, RMSNorm with HF's bits in fewer ops, sliding windows read the way HF
+reads them, fused projections whose storage layout is chosen per shape on CPU) are each exact against the
+HF module they replace (tests/test_generator.py).
 
 Story of a request:
   add_request -> waiting queue -> admitted into the lowest free slot -> "prefill" writes the K/V of
@@ -13,17 +37,21 @@ Story of a request:
   its slot at once and a waiting one takes it on the next step (continuous batching).
   Invariant of a running slot: the cache holds K/V for tokens[:-1]; tokens[-1] is the next input.
 
-Sampling (sampler.py): log-probs are log_softmax(logits / temperature) over the full vocabulary,
-before top-k/top-p truncation (the trainer's convention too), and a seeded request draws the same
-tokens in any batch and slot. `generate(prompts, params)` with one SamplingParams gives request i
-the seed `params.seed + i`.
-
 Weight updates (`update_weights`) happen between step() calls. interrupt_mode="recompute" (default,
 as AReaL) re-prefills every in-flight sequence (prompt + tokens so far) under the new weights, so
 every later token is exactly the new policy's. interrupt_mode="keep" reuses the stale cache: no
 recompute cost, but later tokens attend to K/V computed by the old weights, so their log-probs are
 not exactly the new policy's (the trainer's recomputed/proximal log-probs must absorb the gap).
 Each generated token carries the policy version that sampled it.
+
+The sampler: one token per row from fp32 logits, reproducible per request. Log-prob convention (the
+trainer uses the same): logprob = log_softmax(logits / temperature) over the full vocabulary in fp32,
+i.e. after temperature and BEFORE top-k/top-p truncation; for greedy (temperature 0) it is
+log_softmax(logits), i.e. temperature 1. Seeds: sampling noise is counter based, u = hash(seed, index of
+the token in the completion), and a token is drawn by inverting the CDF of the (truncated) distribution
+at u, so a request with a given seed samples the same tokens whichever requests share its batch and
+whichever slot it lands in. `generate(prompts, params)` with one SamplingParams gives request i the seed
+`params.seed + i`.
 """
 
 from __future__ import annotations
@@ -31,14 +59,486 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections import deque
-from collections.abc import Hashable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 
-from model_ops import ROPE_TABLE_TYPES, fuse_linears, input_major_is_faster, layer_windows, rms_norm, rope, signed_sin
-from sampler import sample_tokens, seed_hash, uniform_from_hash
+from buffer import Trajectory
+from parallel.channel import Aborted, Channel, PeerTimeout
+from parallel.weight_sync import receive_weights
+from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
+
+ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
+RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x * rsqrt(mean x^2 + eps) * w
+
+# ----------------------------------------------------------------------------- the rollout rank's loop
+
+
+def request_seed(base: int, group_id: int, sample_idx: int) -> int:
+    """Depends only on (seed, group, sample): the same tokens whatever rank or slot serves the request."""
+    return (base * 1_000_003 + group_id * 4099 + sample_idx) % (2**62)
+
+
+class GroupScorer:
+    """Finished requests -> scored GRPO groups, scoring in a RewardPool while the caller decodes on.
+
+    submit() returns at once unless max_pending requests already wait for a score; then it waits for scores
+    (calling on_wait every wait_s, e.g. a heartbeat). collect() never blocks (unless asked to wait) and returns
+    the groups whose samples are all scored, as (group_id, trajectories in sample order). Rewards are exactly
+    score()'s: the same extraction, fast path and cache, math-verify bounded by limits.timeout_s in a killed-and-
+    replaced worker process, a timeout scored wrong. `blocked_s` is the time the caller spent inside submit,
+    collect and drain (the inline fast path and waits for scores), i.e. scoring's cost on the decode loop;
+    the workers' own time overlaps decoding and is pool.reward_s."""
+
+    def __init__(
+        self,
+        samples_per_prompt: int,
+        reward_correct: float,
+        reward_wrong: float,
+        max_pending: int,
+        limits: ScoreLimits = DEFAULT_LIMITS,
+        on_wait: Callable[[], None] = lambda: None,
+        wait_s: float = 0.1,
+    ):
+        if max_pending < 1:
+            raise ValueError(f"rollout.max_pending_scores must be >= 1, got {max_pending}")
+        self.G, self.reward_correct, self.reward_wrong = samples_per_prompt, reward_correct, reward_wrong
+        self.max_pending, self.on_wait, self.wait_s = max_pending, on_wait, wait_s
+        self.pool = RewardPool(num_workers=1, limits=limits)  # one math-verify process per rank, started now
+        self.groups: dict[int, dict] = {}  # group_id -> {prompt_id, trajs: {sample: Trajectory}}
+        self.unscored: dict[Hashable, object] = {}  # pool key -> the finished request awaiting its score
+        self.eval_scores: dict[int, ScoreDetails] = {}
+        self.complete: list[tuple[int, list[Trajectory]]] = []
+        self.blocked_s = 0.0
+
+    @property
+    def pending(self) -> int:
+        """Requests submitted whose score has not been collected yet."""
+        return len(self.unscored)
+
+    def open(self, group_id: int, prompt_id: int) -> None:
+        self.groups[group_id] = {"prompt_id": prompt_id, "trajs": {}}
+
+    def submit(self, out, response: str, gold: str) -> None:
+        """Score a finished request (request_id = (group_id, sample_idx)); response is its decoded text."""
+        t0 = time.perf_counter()
+        self._make_room()
+        key = ("train", *out.request_id)
+        self.pool.submit(key, response, gold)  # bad input raises here, before anything is recorded
+        self.unscored[key] = out
+        self.blocked_s += time.perf_counter() - t0
+
+    def collect(self, wait_s: float = 0.0) -> list[tuple[int, list[Trajectory]]]:
+        """Groups completed since the last call; with wait_s > 0, waits up to that long for a score first."""
+        t0 = time.perf_counter()
+        self._take(self.pool.poll(wait_s=wait_s))
+        self.blocked_s += time.perf_counter() - t0
+        done, self.complete = self.complete, []
+        return done
+
+    def drain(self) -> list[tuple[int, list[Trajectory]]]:
+        """Wait for every submitted score; the groups they complete."""
+        done = self.collect()
+        while self.pending:
+            self.on_wait()
+            done += self.collect(wait_s=self.wait_s)
+        return done
+
+    def score_all(self, pairs: list[tuple[str, str]]) -> list[ScoreDetails]:
+        """Score (response, gold) pairs now, through the same workers (eval); not counted in blocked_s."""
+        for j, (response, gold) in enumerate(pairs):
+            self._make_room()
+            self.pool.submit(("eval", j), response, gold)
+            self.unscored[("eval", j)] = None
+        while len(self.eval_scores) < len(pairs):
+            self._take(self.pool.poll(wait_s=self.wait_s))
+            self.on_wait()
+        scores, self.eval_scores = [self.eval_scores[j] for j in range(len(pairs))], {}
+        return scores
+
+    def _make_room(self) -> None:
+        while self.pending >= self.max_pending:  # bounded: wait for scores rather than queue without limit
+            self._take(self.pool.poll(wait_s=self.wait_s))
+            self.on_wait()
+
+    def _take(self, results) -> None:
+        for key, details, _ in results:
+            out = self.unscored.pop(key)
+            if key[0] == "eval":
+                self.eval_scores[key[1]] = details
+                continue
+            group_id, sample_idx = key[1], key[2]
+            group = self.groups[group_id]
+            correct = details.reward > 0
+            group["trajs"][sample_idx] = Trajectory(
+                prompt_id=group["prompt_id"],
+                sample_idx=sample_idx,
+                prompt_ids=list(out.prompt_ids),
+                response_ids=list(out.token_ids),
+                behav_logprobs=list(out.logprobs),
+                versions=list(out.versions),
+                reward=self.reward_correct if correct else self.reward_wrong,
+                finish_reason=out.finish_reason,
+                group_id=group_id,
+                correct=correct,
+            )
+            if len(group["trajs"]) == self.G:
+                del self.groups[group_id]
+                self.complete.append((group_id, [group["trajs"][s] for s in range(self.G)]))
+
+    def close(self) -> None:
+        self.pool.close()
+
+
+class RolloutWorker:
+    def __init__(
+        self, cfg, model, tokenizer, train_rows: list[dict], test_rows: list[dict], head: int, device: torch.device
+    ):
+        self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
+        r = cfg.rollout
+        # math-verify's imports (in the scorer's worker process) overlap the generator's set-up
+        self.scorer = GroupScorer(
+            r.samples_per_prompt, r.reward_correct, r.reward_wrong, r.max_pending_scores, on_wait=self.heartbeat
+        )
+        self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
+        self.encoded: dict[tuple[str, int], list[int]] = {}
+        self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn)
+        self.gen = Generator(
+            model,
+            max_batch_size=cfg.rollout.max_batch_size,
+            max_seq_len=cfg.rollout.max_seq_len,
+            interrupt_mode=cfg.rollout.interrupt_mode,
+            **self.gpu_options,
+        )
+        self.eval_gen: Generator | None = None
+        self.channel = Channel([head])
+        self.t_start = time.monotonic()
+        self.idle_s = 0.0
+        self.generated_tokens = 0
+        self.heartbeat_s = min(5.0, cfg.plan.rollout_timeout_s / 4)
+        self.last_sent = time.monotonic()
+
+    def send(self, kind: str, **payload) -> None:
+        self.channel.send(self.head, kind, **payload)
+        self.last_sent = time.monotonic()
+
+    def heartbeat(self) -> None:
+        if time.monotonic() - self.last_sent > self.heartbeat_s:
+            self.send("alive", counters=self.counters())
+
+    def prompt_ids(self, split: str, prompt_id: int) -> list[int]:
+        key = (split, prompt_id)
+        if key not in self.encoded:
+            ids = self.tok(self.rows[split][prompt_id]["prompt"])["input_ids"]
+            limit = self.cfg.rollout.max_seq_len - self.cfg.rollout.max_new_tokens
+            if len(ids) > limit:
+                raise ValueError(
+                    f"prompt {prompt_id} ({split}) has {len(ids)} tokens; rollout.max_seq_len - "
+                    f"max_new_tokens allows {limit}"
+                )
+            self.encoded[key] = ids
+        return self.encoded[key]
+
+    def sampling(self, seed: int) -> SamplingParams:
+        r = self.cfg.rollout
+        return SamplingParams(
+            temperature=r.temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
+            max_new_tokens=r.max_new_tokens,
+            stop_token_ids=[self.tok.eos_token_id],
+            seed=seed,
+        )
+
+    # -- messages ----------------------------------------------------------------------------------
+    def on_grant(self, msg: dict) -> None:
+        G = self.cfg.rollout.samples_per_prompt
+        for group_id, prompt_id in msg["groups"]:
+            self.scorer.open(group_id, prompt_id)
+            prompt = self.prompt_ids("train", prompt_id)
+            for s in range(G):
+                self.gen.add_request(
+                    (group_id, s), prompt, self.sampling(request_seed(self.cfg.train.seed, group_id, s))
+                )
+
+    def on_weights(self, msg: dict) -> None:
+        p = self.cfg.plan
+        state_dict = receive_weights(msg, self.head, self.device, p.verify_weights)
+        self.gen.update_weights(state_dict, msg["version"])
+        self.send("weights_ok", version=msg["version"])  # the head may now reuse the send buffers
+
+    @torch.no_grad()
+    def on_eval(self, msg: dict) -> None:
+        if self.eval_gen is None:  # a second cache over the same (shared) weights
+            self.eval_gen = Generator(
+                self.model,
+                max_batch_size=self.cfg.rollout.max_batch_size,
+                max_seq_len=self.cfg.rollout.max_seq_len,
+                **self.gpu_options,
+            )
+        self.eval_gen.version = self.gen.version
+        ids = msg["prompt_ids"]
+        greedy = SamplingParams(
+            temperature=0.0, max_new_tokens=self.cfg.rollout.max_new_tokens, stop_token_ids=[self.tok.eos_token_id]
+        )
+        # streamed rather than generate(): a long eval share must not look like a stuck rank
+        for j, i in enumerate(ids):
+            self.eval_gen.add_request(j, self.prompt_ids("test", i), greedy)
+        done = {}
+        while self.eval_gen.num_unfinished():
+            done.update((o.request_id, o) for o in self.eval_gen.step())
+            self.send_results(self.scorer.collect())  # training groups still score meanwhile
+            self.heartbeat()
+        outs = [done[j] for j in range(len(ids))]
+        scores = self.scorer.score_all(
+            [
+                (self.tok.decode(o.token_ids, skip_special_tokens=True), self.rows["test"][i]["answer"])
+                for i, o in zip(ids, outs)
+            ]
+        )
+        correct = [int(d.reward > 0) for d in scores]
+        self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""), prompt_ids=ids, correct=correct)
+
+    # -- finished sequences --------------------------------------------------------------------------
+    def on_finished(self, out) -> None:
+        group_id, _ = out.request_id
+        row = self.rows["train"][self.scorer.groups[group_id]["prompt_id"]]
+        self.generated_tokens += len(out.token_ids)
+        self.scorer.submit(out, self.tok.decode(out.token_ids, skip_special_tokens=True), row["answer"])
+
+    def send_results(self, groups: list[tuple[int, list[Trajectory]]]) -> None:
+        for group_id, trajs in groups:
+            self.send("result", group_id=group_id, trajectories=[t.to_dict() for t in trajs], counters=self.counters())
+
+    def counters(self) -> dict:
+        # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:
+        # the scorings' own time (inline and in the math-verify worker), mostly overlapped with decoding
+        return {
+            "elapsed_s": time.monotonic() - self.t_start,
+            "idle_s": self.idle_s,
+            "reward_s": self.scorer.blocked_s,
+            "reward_service_s": self.scorer.pool.reward_s,
+            "generated_tokens": self.generated_tokens,
+            "version": self.gen.version,
+            "prefill_s": self.gen.stats.prefill_seconds,
+            "prefill_tokens": self.gen.stats.prefill_tokens,
+        }
+
+    # -- the loop -----------------------------------------------------------------------------------
+    def run(self) -> None:
+        try:
+            self.loop()
+        finally:
+            self.scorer.close()
+
+    def loop(self) -> None:
+        handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
+        self.scorer.pool.wait_ready()  # a first slow-path score must not wait for math-verify's imports
+        self.send("ready", counters=self.counters())
+        while True:
+            idle = self.gen.num_unfinished() == 0 and not self.scorer.pending  # nothing to do until the head sends work
+            t0 = time.monotonic()
+            msgs = self.channel.poll(timeout_s=1.0 if idle else 0.0)
+            if idle:
+                self.idle_s += time.monotonic() - t0
+                if not msgs and self.channel.silent_peers(self.cfg.plan.timeout_s):
+                    raise PeerTimeout([self.head], self.cfg.plan.timeout_s, "work from the train head")
+            for _, msg in msgs:
+                if msg["kind"] == "stop":
+                    self.send_results(self.scorer.drain())  # groups decoded before the stop still reach the head
+                    self.send("bye", counters=self.counters())
+                    return
+                if msg["kind"] == "abort":
+                    raise Aborted(msg["reason"])
+                handlers[msg["kind"]](msg)
+            if self.gen.num_unfinished():
+                for out in self.gen.step():
+                    self.on_finished(out)
+                self.send_results(self.scorer.collect())
+            elif self.scorer.pending:  # only scores left: wait for them, briefly, then poll the head
+                self.send_results(self.scorer.collect(wait_s=0.05))
+            self.heartbeat()
+
+
+# ----------------------------------------------------------------------------- the HF model's pieces, run our way
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """sin with rotate_half's sign folded in: rotate_half(x) * sin == roll(x, D/2) * signed_sin, bit for bit."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), dim=-1)
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x [B, heads, L, D] rotated by cos and signed_sin(sin) [B, L, D]."""
+    cos, sin_signed = cos.unsqueeze(1), sin_signed.unsqueeze(1)  # [B, 1, L, D] broadcast over heads
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+def rms_norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """The HF RMSNorm (fp32 statistics, weight applied in the input dtype) with fewer ops: at decode sizes
+    each op is a ~10 us dispatch on CPU and there are 2 norms per layer. For fp32 input `F.rms_norm` is one
+    kernel with the same bits (tested); for bf16 HF rounds before the weight, so its arithmetic is written out."""
+    if type(norm).__name__ not in RMS_NORM_CLASSES:
+        return norm(x)
+    if x.dtype == torch.float32 and norm.weight.dtype == torch.float32:
+        return F.rms_norm(x, norm.weight.shape, norm.weight, norm.variance_epsilon)
+    h = x.float()
+    inv_rms = h.pow(2).mean(-1, keepdim=True).add_(norm.variance_epsilon).rsqrt_()
+    return norm.weight * (h * inv_rms).to(x.dtype)
+
+
+def layer_windows(config, n_layers: int) -> list[int | None]:
+    """Sliding-window size per layer (None = full attention), read the way HF reads it."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None:
+        return [window if t == "sliding_attention" else None for t in layer_types[:n_layers]]
+    return [window] * n_layers
+
+
+_INPUT_MAJOR_FASTER: dict[tuple, bool] = {}
+
+
+def input_major_is_faster(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> bool:
+    """CPU: is x @ W faster with W stored [in, out] than [out, in] (an nn.Linear's), at decode size?
+
+    MKL's small-GEMM speed depends on the weight's layout, both ways and by shape: with 32 rows and 1 thread,
+    weights streamed from memory, gate/up took 474 vs 592 us input-major (tiny model) and 1.9 vs 2.3 ms
+    (34M config) while down_proj was 8-15% slower. So each shape is timed once per process, both layouts
+    interleaved over ~16 MB of weight copies (in a decode step the weights come from memory, not cache), best
+    of 5, and input-major must win by 5%. Both layouts give the same bits here (MKL); the tests run both."""
+    key = (out_features, in_features, rows, dtype)
+    if key not in _INPUT_MAJOR_FASTER:
+        copies = max(2, (16 << 20) // (out_features * in_features * dtype.itemsize))
+        x = torch.randn(rows, in_features, dtype=dtype)
+        layouts = {"row": [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]}
+        layouts["input"] = [w.t().contiguous().t() for w in layouts["row"]]
+        best = {}
+        for _ in range(5):
+            for name, weights in layouts.items():
+                t0 = time.perf_counter()
+                for w in weights:
+                    F.linear(x, w)
+                best[name] = min(best.get(name, float("inf")), time.perf_counter() - t0)
+        _INPUT_MAJOR_FASTER[key] = best["input"] < 0.95 * best["row"]
+    return _INPUT_MAJOR_FASTER[key]
+
+
+def fuse_linears(
+    linears: list[torch.nn.Linear], input_major: Callable[[int, int], bool]
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """One weight matrix (and bias) for Linear layers that read the same input: one GEMM instead of several.
+    Returned as an [out, in] view like an nn.Linear weight. The layers' parameters become views of it, so
+    whatever writes them (update_weights, load_state_dict, another Generator on the same model) writes the
+    fused matrix too, and no memory is duplicated. `input_major(out, in)` says whether to store it [in, out]."""
+
+    def cols():
+        col = 0
+        for lin in linears:
+            yield lin, slice(col, col + lin.out_features)
+            col += lin.out_features
+
+    fused = getattr(linears[0], "_fused", None)  # a Generator built on this model before
+    if fused is not None and all(
+        lin.weight.data_ptr() == fused[0][r].data_ptr()
+        and lin.weight.stride() == fused[0][r].stride()
+        and (lin.bias is None or lin.bias.data_ptr() == fused[1][r].data_ptr())
+        for lin, r in cols()
+    ):
+        return fused
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    if input_major(*weight.shape):
+        weight = weight.t().contiguous().t()
+    bias = None
+    if any(lin.bias is not None for lin in linears):
+        bias = torch.cat(
+            [lin.bias.detach() if lin.bias is not None else weight.new_zeros(lin.out_features) for lin in linears]
+        )
+    for lin, r in cols():
+        lin.weight.data = weight[r]
+        if lin.bias is not None:
+            lin.bias.data = bias[r]
+    linears[0]._fused = (weight, bias)
+    return weight, bias
+
+
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x):
+    """A 32-bit integer avalanche hash of a Python int or int64 lanes (multipliers < 2**31: no overflow)."""
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x2C1B3C6D) & _MASK32
+    return x ^ (x >> 16)
+
+
+def seed_hash(seed):
+    """The seed's half of counter_uniform, computed once per request (int, or int64 tensor)."""
+    return _mix32(_mix32(seed & _MASK32) ^ ((seed >> 32) & _MASK32))
+
+
+def uniform_from_hash(hashed_seed, counter):
+    h = _mix32(hashed_seed ^ (counter & _MASK32))
+    return (h.to(torch.float64) + 0.5) / 2.0**32 if isinstance(h, torch.Tensor) else (h + 0.5) / 2.0**32
+
+
+def counter_uniform(seeds, counters):
+    """u in (0, 1) as a pure function of (seed, counter): the same draw in any batch, on any slot.
+    Python ints or int64 tensors, the same value either way (the sampler hashes a batch's few ints in
+    Python: ~30 tensor ops of 32 lanes cost more than the arithmetic)."""
+    return uniform_from_hash(seed_hash(seeds), counters)
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    temperature: torch.Tensor | float,
+    top_p: torch.Tensor | None,
+    top_k: torch.Tensor | None,
+    u: torch.Tensor,
+    truncate: bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Draw one token per row and return (tokens, logprobs); rows with temperature 0 are greedy.
+
+    logits [B, V] fp32; temperature [B] fp32, or one float for all rows; top_p [B] fp32 and top_k [B]
+    int64 (V when disabled), needed only with `truncate`; u [B] fp64. Sampling inverts the CDF at u.
+    With `truncate` the vocabulary is sorted and cut by top-k, then top-p of the renormalised
+    remainder (the order HF applies them); logprobs are never truncated.
+    """
+    if isinstance(temperature, torch.Tensor):
+        greedy = temperature == 0
+        all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+        scaled = logits if all_greedy else logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
+    else:  # one temperature for every row (the usual case): no per-row tensors (x / 1 is x, bit for bit)
+        greedy, all_greedy, any_greedy = None, temperature == 0, temperature == 0
+        scaled = logits if temperature in (0.0, 1.0) else logits / temperature
+    logp = torch.log_softmax(scaled, dim=-1)
+    tokens = logits.argmax(dim=-1) if any_greedy else None
+    if not all_greedy:
+        vocab = logits.shape[1]
+        if truncate:
+            sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
+            probs = sorted_logp.exp()
+            rank = torch.arange(vocab, device=logits.device)
+            probs = probs * (rank.unsqueeze(0) < top_k.unsqueeze(1))
+            cum = probs.cumsum(dim=-1)
+            mass_before = cum - probs  # keep a token while the mass ranked above it < top_p
+            in_nucleus = (mass_before < top_p.unsqueeze(1) * cum[:, -1:]) | (top_p >= 1.0).unsqueeze(1)
+            probs = probs * in_nucleus  # (top_p = 1 keeps even the tail that fp32 cumsum rounds away)
+        else:
+            probs = logp.exp()
+        cdf = probs.cumsum(dim=-1)
+        total = cdf[:, -1]
+        target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
+        idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
+        drawn = order.gather(1, idx.unsqueeze(1)).squeeze(1) if truncate else idx
+        tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
+    return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
+
 
 try:  # optional: flash-attn's in-place KV-cache decode kernel (GPU only)
     from flash_attn import flash_attn_with_kvcache

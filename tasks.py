@@ -1,19 +1,38 @@
-"""The synthetic math task of the CPU demo: seeded multi-step arithmetic word problems.
+"""The tasks the policy learns: the CPU demo's synthetic arithmetic, and real math datasets.
 
+The synthetic task: seeded multi-step arithmetic word problems.
 Each problem chains three numbers (1-30) with + and -, phrased as a short story; the gold answer
-is an integer and the model must end with `\\boxed{N}`. Worked solutions come in two flavours:
+is an integer and the model must end with `\boxed{N}`. Worked solutions come in two flavours:
 correct ones, and ones carrying a typical mistake (a flipped operation in the first step, or an
 off-by-one last step). The warm start is trained on a mix of both, so the model is *capable but
 unsharp*: its samples are often right (high pass@k) but its greedy answer often is not — exactly
 the situation RL sharpens (see README, "How the tiny model was made").
+
+Real math datasets as (prompt_id, question, answer) rows, and the prompt the policy sees (`load_task` picks).
+
+Sources: a preset name (gsm8k, math, math500, deepscaler), a hub id (through `datasets.load_dataset`), or a local
+jsonl/json/parquet file or a directory holding `{split}.jsonl|json|parquet`. A field mapping says which columns
+hold the question and the answer, and how the gold answer is written in that column:
+  plain  the column is the answer (DeepScaleR `answer`, our synthetic task);
+  gsm8k  a worked solution ending in `#### N` (GSM8K `answer`): gold = N without thousands separators;
+  boxed  a worked solution whose last `\boxed{}` holds the answer (MATH `solution`).
+GSM8K is vendored under data/gsm8k (MIT, OpenAI) and read from there when the hub is off (HF_DATASETS_OFFLINE=1)
+or unreachable. Rows that lack a field are skipped and counted (one warning line) or fail loudly, naming file,
+row and field. The returned `datasets.Dataset` has columns prompt_id (int: the row's index in its source, so ids
+survive skipped rows), question and answer (gold string, scored by reward_math).
 """
 
 from __future__ import annotations
 
+import json
+import logging
+import os
 import random
 from dataclasses import dataclass
 
 import datasets
+
+import reward_math
 
 NAMES = ["Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
 ITEMS = ["apples", "stamps", "coins", "books", "shells", "cards", "pens", "beads", "marbles", "eggs"]
@@ -123,16 +142,299 @@ def problem_from_row(row: dict) -> Problem:
 
 def load_task(data_cfg, tokenizer) -> tuple[list[dict], list[dict]]:
     """Train and held-out rows as dicts with prompt_id, question, answer and prompt (the text the model
-    sees). `arith` is built here; GSM8K / MATH / DeepScaleR / local files go through math_data."""
+    sees). `arith` is built here; GSM8K / MATH / DeepScaleR / local files go through load_task_splits below."""
     if data_cfg.task == "arith":
         ds = make_arith_dataset(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
         train, test = list(ds["train"]), list(ds["test"])
         for row in train + test:
             row["prompt"] = format_prompt(row["question"])
         return train, test
-    import math_data  # real math datasets (GSM8K, MATH, DeepScaleR, jsonl/parquet)
-
-    train, test = math_data.load_task_splits(data_cfg)
+    train, test = load_task_splits(data_cfg)
     for row in train + test:
-        row["prompt"] = math_data.chat_prompt(tokenizer, row["question"])
+        row["prompt"] = chat_prompt(tokenizer, row["question"])
     return train, test[: data_cfg.num_test] if data_cfg.num_test else test
+
+
+log = logging.getLogger(__name__)
+REPO_ROOT = os.path.dirname(os.path.abspath(__file__))
+ANSWER_FORMATS = ("plain", "gsm8k", "boxed")
+LOCAL_EXTENSIONS = (".jsonl", ".json", ".parquet")
+INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
+
+
+@dataclass(frozen=True)
+class FieldMap:
+    question: str = "question"
+    answer: str = "answer"
+    answer_format: str = "plain"  # plain | gsm8k | boxed (see module docstring)
+
+    def __post_init__(self) -> None:
+        if self.answer_format not in ANSWER_FORMATS:
+            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
+
+
+@dataclass(frozen=True)
+class DatasetSpec:
+    hub_id: str
+    config: str | None
+    fields: FieldMap
+    splits: tuple[str, ...]  # the splits the source offers
+    local_dir: str | None = None  # vendored copy, used when the hub is unavailable
+
+
+PRESETS: dict[str, DatasetSpec] = {
+    "gsm8k": DatasetSpec(
+        "openai/gsm8k",
+        "main",
+        FieldMap("question", "answer", "gsm8k"),
+        ("train", "test"),
+        local_dir=os.path.join(REPO_ROOT, "data", "gsm8k"),
+    ),
+    "math": DatasetSpec(
+        "DigitalLearningGmbH/MATH-lighteval", "default", FieldMap("problem", "solution", "boxed"), ("train", "test")
+    ),
+    "math500": DatasetSpec("HuggingFaceH4/MATH-500", None, FieldMap("problem", "solution", "boxed"), ("test",)),
+    "deepscaler": DatasetSpec(
+        "agentica-org/DeepScaleR-Preview-Dataset", None, FieldMap("problem", "answer", "plain"), ("train",)
+    ),
+}
+
+
+class BadRowError(ValueError):
+    """A row lacks a usable question or answer (raised with on_bad_row='fail')."""
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reading raw rows: (row number, dict) from local files or the hub.
+
+
+def _looks_like_path(source: str) -> bool:
+    return source.endswith(LOCAL_EXTENSIONS) or source.startswith(("/", "./", "../", "~")) or os.path.exists(source)
+
+
+def _local_file_for_split(directory: str, split: str) -> str:
+    for ext in LOCAL_EXTENSIONS:
+        path = os.path.join(directory, split + ext)
+        if os.path.isfile(path):
+            return path
+    tried = ", ".join(split + ext for ext in LOCAL_EXTENSIONS)
+    raise FileNotFoundError(f"no file for split {split!r} in {directory} (looked for {tried})")
+
+
+def _read_local(path: str, split: str) -> tuple[str, list[tuple[int, object]]]:
+    """(file actually read, [(1-based row number, raw row)]). A directory is resolved to its split's file."""
+    path = os.path.expanduser(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"math dataset path does not exist: {path}")
+    if os.path.isdir(path):
+        path = _local_file_for_split(path, split)
+    if path.endswith(".jsonl"):
+        rows = []
+        with open(path, encoding="utf-8") as f:
+            for number, line in enumerate(f, start=1):
+                if not line.strip():
+                    continue
+                try:
+                    rows.append((number, json.loads(line)))
+                except json.JSONDecodeError as e:
+                    rows.append((number, _InvalidJson(str(e))))
+        return path, rows
+    if path.endswith(".json"):
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+        if not isinstance(data, list):
+            raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+        return path, list(enumerate(data, start=1))
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return path, list(enumerate(pq.read_table(path).to_pylist(), start=1))
+    raise ValueError(f"unsupported math dataset file {path}: expected one of {LOCAL_EXTENSIONS}")
+
+
+@dataclass(frozen=True)
+class _InvalidJson:
+    error: str
+
+
+def _hub_offline() -> bool:
+    return any(
+        os.environ.get(var, "").lower() in ("1", "true", "yes", "on")
+        for var in ("HF_DATASETS_OFFLINE", "HF_HUB_OFFLINE")
+    )
+
+
+def _read_hub(hub_id: str, config: str | None, split: str) -> list[tuple[int, object]]:
+    ds = datasets.load_dataset(hub_id, config, split=split)
+    return list(enumerate(ds, start=1))
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Raw row -> (question, gold answer).
+
+
+def _field(raw: dict, name: str) -> str | None:
+    value = raw.get(name)
+    if isinstance(value, bool) or value is None:
+        return None
+    if isinstance(value, (int, float)):  # jsonl written by hand often stores numeric answers as numbers
+        value = str(value)
+    return value.strip() if isinstance(value, str) and value.strip() else None
+
+
+def _question_and_gold(raw: object, fields: FieldMap) -> tuple[str, str]:
+    """Raises BadRowError(problem) for an unusable row."""
+    if isinstance(raw, _InvalidJson):
+        raise BadRowError(f"invalid JSON ({raw.error})")
+    if not isinstance(raw, dict):
+        raise BadRowError(f"row is a {type(raw).__name__}, not an object")
+    question, answer = _field(raw, fields.question), _field(raw, fields.answer)
+    if question is None:
+        raise BadRowError(f"missing field {fields.question!r}")
+    if answer is None:
+        raise BadRowError(f"missing field {fields.answer!r}")
+    if fields.answer_format == "gsm8k":
+        if "####" not in answer:
+            raise BadRowError(f"field {fields.answer!r} has no '####' final-answer marker")
+        answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
+    elif fields.answer_format == "boxed":
+        answer = reward_math.last_boxed(answer)
+        if answer is None:
+            raise BadRowError(f"field {fields.answer!r} has no \\boxed{{}} final answer")
+    if not answer:
+        raise BadRowError(f"field {fields.answer!r} has an empty final answer")
+    return question, answer
+
+
+def _build(
+    rows: list[tuple[int, object]], fields: FieldMap, origin: str, on_bad_row: str, max_rows: int | None
+) -> datasets.Dataset:
+    prompt_ids, questions, answers, bad = [], [], [], 0
+    for number, raw in rows:
+        if max_rows is not None and len(prompt_ids) >= max_rows:
+            break
+        try:
+            question, answer = _question_and_gold(raw, fields)
+        except BadRowError as e:
+            if on_bad_row == "fail":
+                raise BadRowError(f"{origin}: row {number}: {e}") from None
+            bad += 1
+            continue
+        prompt_ids.append(number - 1)
+        questions.append(question)
+        answers.append(answer)
+    if bad:
+        log.warning("%s: skipped %d of %d rows missing %r/%r", origin, bad, len(rows), fields.question, fields.answer)
+    if not prompt_ids:
+        raise ValueError(
+            f"{origin}: no usable rows ({bad} bad of {len(rows)}); check the field mapping "
+            f"question={fields.question!r} answer={fields.answer!r}"
+        )
+    features = datasets.Features(
+        {"prompt_id": datasets.Value("int64"), "question": datasets.Value("string"), "answer": datasets.Value("string")}
+    )
+    return datasets.Dataset.from_dict(
+        {"prompt_id": prompt_ids, "question": questions, "answer": answers}, features=features
+    )
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Public entry points.
+
+
+def load_math_dataset(
+    source: str,
+    split: str = "train",
+    fields: FieldMap | None = None,
+    on_bad_row: str = "skip",
+    max_rows: int | None = None,
+) -> datasets.Dataset:
+    """Rows (prompt_id, question, answer) from a preset, a hub id, or a local file/directory (see module doc).
+
+    `fields` overrides the preset's mapping (default for hub ids and files: question/answer, plain)."""
+    if on_bad_row not in ("skip", "fail"):
+        raise ValueError(f"on_bad_row must be 'skip' or 'fail', got {on_bad_row!r}")
+    if max_rows is not None and max_rows < 1:
+        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+    if not isinstance(source, str) or not source:
+        raise ValueError(f"math dataset source must be a preset name, hub id or path, got {source!r}")
+    spec = PRESETS.get(source.lower())
+    if spec is not None:
+        fields = fields or spec.fields
+        if split not in spec.splits:
+            raise ValueError(f"{source} has splits {spec.splits}, not {split!r}")
+        if spec.local_dir is not None and _hub_offline():
+            origin, rows = _read_local(spec.local_dir, split)
+            return _build(rows, fields, origin, on_bad_row, max_rows)
+        try:
+            rows = _read_hub(spec.hub_id, spec.config, split)
+        except Exception as e:  # no network, no cache, hub outage: the vendored copy is the same data
+            if spec.local_dir is None:
+                raise RuntimeError(
+                    f"cannot load {spec.hub_id} ({type(e).__name__}: {e}); download it into the "
+                    "datasets cache or pass a local jsonl/parquet path"
+                ) from None
+            log.warning("%s unavailable (%s); reading vendored %s", spec.hub_id, type(e).__name__, spec.local_dir)
+            origin, rows = _read_local(spec.local_dir, split)
+            return _build(rows, fields, origin, on_bad_row, max_rows)
+        return _build(rows, fields, f"{spec.hub_id}[{split}]", on_bad_row, max_rows)
+    fields = fields or FieldMap()
+    if _looks_like_path(source):
+        origin, rows = _read_local(source, split)
+        return _build(rows, fields, origin, on_bad_row, max_rows)
+    try:
+        rows = _read_hub(source, None, split)
+    except Exception as e:
+        raise RuntimeError(
+            f"cannot load hub dataset {source!r} split {split!r} ({type(e).__name__}: {e}); "
+            "if it is a local path, check that it exists"
+        ) from None
+    return _build(rows, fields, f"{source}[{split}]", on_bad_row, max_rows)
+
+
+def _available_splits(source: str) -> tuple[str, ...]:
+    spec = PRESETS.get(source.lower())
+    if spec is not None:
+        return spec.splits
+    path = os.path.expanduser(source)
+    if os.path.isdir(path):
+        return tuple(
+            s for s in ("train", "test") if any(os.path.isfile(os.path.join(path, s + e)) for e in LOCAL_EXTENSIONS)
+        )
+    return ("train",)  # a single file or a hub id: its train split, held out below
+
+
+def load_task_splits(data_cfg) -> tuple[list[dict], list[dict]]:
+    """(train rows, held-out rows) for config.DataConfig: task is a preset, hub id or path.
+
+    A source with train and test splits uses both (test prompt_ids are offset past train's so ids stay unique);
+    a single-split source is shuffled with data_cfg.seed and its first num_test rows are held out."""
+    task = data_cfg.task
+    fields = None if task.lower() in PRESETS else FieldMap(data_cfg.question_field, data_cfg.answer_field)
+    splits = _available_splits(task)
+    if "train" in splits and "test" in splits:
+        train = load_math_dataset(task, "train", fields, data_cfg.on_bad_row).to_list()
+        test = load_math_dataset(task, "test", fields, data_cfg.on_bad_row).to_list()
+        offset = max(row["prompt_id"] for row in train) + 1
+        return train, [{**row, "prompt_id": row["prompt_id"] + offset} for row in test]
+    rows = load_math_dataset(task, splits[0], fields, data_cfg.on_bad_row).to_list()
+    random.Random(data_cfg.seed).shuffle(rows)
+    if data_cfg.num_test <= 0:
+        return rows, []
+    num_test = min(data_cfg.num_test, len(rows) - 1)
+    if num_test < 1:
+        raise ValueError(f"{task}: {len(rows)} usable rows cannot be split into train and held-out sets")
+    return rows[num_test:], rows[:num_test]
+
+
+def chat_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> str:
+    """The text the policy sees: the tokenizer's chat template when it has one, else a plain Q/A template.
+    Either way the model is told to put its final answer in \\boxed{} (what reward_math extracts first)."""
+    if not isinstance(question, str) or not question.strip():
+        raise ValueError(f"chat_prompt needs a non-empty question string, got {question!r}")
+    content = f"{question.strip()}\n{instruction}" if instruction else question.strip()
+    if tokenizer is not None and getattr(tokenizer, "chat_template", None):
+        return tokenizer.apply_chat_template(
+            [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+        )
+    return f"Question: {content}\nAnswer:"

@@ -7,7 +7,7 @@ The story of a run:
 1. every rank loads the config, the tokenizer and the task, and joins the process group
    (gloo on CPU; NCCL for weights plus gloo for control on GPU);
 2. the rank map (schedule.py's plan, or a default split) gives each rank a role: `rollout` ranks
-   generate (rollout_worker.py), `train` ranks run the DP×TP×PP PPO trainer (parallel/);
+   generate (rollout.py), `train` ranks run the DP×TP×PP PPO trainer (parallel/);
 3. the train head (train rank 0) is also the controller: it admits GRPO groups to rollout ranks under
    the staleness bound (buffer.py), collects finished groups, forms batches that keep every deadline, trains,
    and sends each new weight version to the rollout ranks, which apply it between decode steps;
@@ -602,7 +602,7 @@ def main(argv: list[str]) -> int:
     head = groups.train_ranks[0]
 
     if groups.role == "rollout":
-        from rollout_worker import RolloutWorker
+        from rollout import RolloutWorker
 
         RolloutWorker(cfg, load_policy(cfg, device), tok, train_rows, test_rows, head, device).run()
         return 0

@@ -18,8 +18,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from rollout import Generator, SamplingParams
-from sampler import counter_uniform, sample_tokens
+from rollout import Generator, SamplingParams, counter_uniform, sample_tokens
 
 torch.set_num_threads(1)
 
@@ -151,7 +150,7 @@ def test_rms_norm_is_hf_bit_for_bit(dtype):
     """Our norm (F.rms_norm for fp32, HF's arithmetic written out for bf16) gives exactly HF's bits."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from model_ops import rms_norm
+    from rollout import rms_norm
 
     torch.manual_seed(23)
     for hidden, shape in [(64, (32, 1)), (256, (5, 37)), (896, (300,))]:

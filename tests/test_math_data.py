@@ -1,4 +1,4 @@
-"""math_data: vendored GSM8K offline, field mappings over jsonl/json/parquet, the three gold formats, bad-row
+"""tasks.py's real datasets: vendored GSM8K offline, field mappings over jsonl/json/parquet, the three gold formats, bad-row
 policies, hub fallback, train/held-out splitting, and prompt formatting with and without a chat template."""
 
 import json
@@ -11,8 +11,8 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-import math_data
-from math_data import BadRowError, FieldMap, chat_prompt, load_math_dataset, load_task_splits
+import tasks
+from tasks import BadRowError, FieldMap, chat_prompt, load_math_dataset, load_task_splits
 
 torch.set_num_threads(1)
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "data", "gsm8k")
@@ -55,8 +55,8 @@ def test_gsm8k_hub_failure_falls_back_to_vendored(monkeypatch, caplog):
     def unreachable(*args):
         raise ConnectionError("no network")
 
-    monkeypatch.setattr(math_data, "_read_hub", unreachable)
-    with caplog.at_level(logging.WARNING, logger="math_data"):
+    monkeypatch.setattr(tasks, "_read_hub", unreachable)
+    with caplog.at_level(logging.WARNING, logger="tasks"):
         ds = load_math_dataset("gsm8k", split="train", max_rows=10)
     assert len(ds) == 10 and "reading vendored" in caplog.text
     with pytest.raises(RuntimeError, match="DeepScaleR-Preview-Dataset"):  # no vendored copy: a clear error
@@ -72,7 +72,7 @@ def test_hub_id_with_field_mapping(monkeypatch):
         calls.append((hub_id, config, split))
         return list(enumerate([{"problem": "1+1?", "answer": "2"}, {"problem": "x?", "answer": None}], start=1))
 
-    monkeypatch.setattr(math_data, "_read_hub", fake_hub)
+    monkeypatch.setattr(tasks, "_read_hub", fake_hub)
     ds = load_math_dataset("someone/deepscaler-like", "train", FieldMap("problem", "answer"))
     assert calls == [("someone/deepscaler-like", None, "train")]
     assert ds.to_list() == [{"prompt_id": 0, "question": "1+1?", "answer": "2"}]
@@ -138,13 +138,13 @@ BAD_ROWS = [
 
 def test_on_bad_row_skip_counts_and_keeps_ids(tmp_path, caplog):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
-    with caplog.at_level(logging.WARNING, logger="math_data"):
+    with caplog.at_level(logging.WARNING, logger="tasks"):
         ds = load_math_dataset(path, on_bad_row="skip")
     assert ds.to_list() == [
         {"prompt_id": 0, "question": "ok 1", "answer": "1"},
         {"prompt_id": 5, "question": "ok 2", "answer": "2"},
     ]
-    warnings = [r for r in caplog.records if r.name == "math_data"]
+    warnings = [r for r in caplog.records if r.name == "tasks"]
     assert len(warnings) == 1 and "skipped 5 of 7 rows" in warnings[0].getMessage()
 
 
@@ -222,9 +222,9 @@ def test_chat_prompt_with_and_without_chat_template():
         "{% if add_generation_prompt %}<|assistant|>{% endif %}"
     )
     chat = chat_prompt(tiny_tokenizer(template), "  What is 2+2? ")
-    assert chat == f"<|user|>What is 2+2?\n{math_data.INSTRUCTION}<|end|><|assistant|>"
+    assert chat == f"<|user|>What is 2+2?\n{tasks.INSTRUCTION}<|end|><|assistant|>"
     plain = chat_prompt(tiny_tokenizer(), "What is 2+2?")
-    assert plain == chat_prompt(None, "What is 2+2?") == f"Question: What is 2+2?\n{math_data.INSTRUCTION}\nAnswer:"
-    assert "\\boxed{}" in math_data.INSTRUCTION
+    assert plain == chat_prompt(None, "What is 2+2?") == f"Question: What is 2+2?\n{tasks.INSTRUCTION}\nAnswer:"
+    assert "\\boxed{}" in tasks.INSTRUCTION
     with pytest.raises(ValueError, match="non-empty question"):
         chat_prompt(None, "   ")

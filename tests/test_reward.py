@@ -12,7 +12,6 @@ import pytest
 import torch
 
 import reward_math as rm
-import verify_worker
 from reward_math import RewardPool, ScoreDetails, ScoreLimits, avg_at_k, pass_at_k, scaled, score, score_details
 
 torch.set_num_threads(1)
@@ -107,13 +106,13 @@ FAST_PAIRS = [
 
 @pytest.mark.parametrize("answer, gold", FAST_PAIRS)
 def test_fast_path_agrees_with_math_verify(answer, gold, monkeypatch):
-    expected = rm._verify_unbounded(answer, gold)  # in-process math-verify: these inputs are benign
-    monkeypatch.setattr(rm, "_verify_with_timeout", lambda *a: pytest.fail("fast path fell through to the worker"))
+    expected = rm.verify_unbounded(answer, gold)  # in-process math-verify: these inputs are benign
+    monkeypatch.setattr(rm, "verify_with_timeout", lambda *a: pytest.fail("fast path fell through to the worker"))
     assert score_details(f"\\boxed{{{answer}}}", gold).reason == expected
 
 
 def test_fast_path_exactness_and_separators(monkeypatch):
-    monkeypatch.setattr(rm, "_verify_with_timeout", lambda *a: pytest.fail("fast path fell through to the worker"))
+    monkeypatch.setattr(rm, "verify_with_timeout", lambda *a: pytest.fail("fast path fell through to the worker"))
     assert score("\\boxed{123456789012345678901}", "123456789012345678901") == 1.0
     assert score("\\boxed{123456789012345678901}", "123456789012345678902") == 0.0  # no float rounding
     assert score("\\boxed{1{,}000}", "1000") == 1.0
@@ -277,8 +276,8 @@ def test_reward_pool_matches_score_details_and_kills_timeouts():
 
 def test_dead_workers_are_replaced():
     rm.warm_up()
-    os.kill(verify_worker._shared_verifier.process.pid, 9)  # the idle shared worker dies from outside
-    verify_worker._shared_verifier.process.wait()
+    os.kill(rm._shared_verifier.process.pid, 9)  # the idle shared worker dies from outside
+    rm._shared_verifier.process.wait()
     assert score("\\boxed{\\frac{3}{9}}", "\\frac{1}{3}", PATIENT) == 1.0
     with RewardPool(num_workers=1, limits=ScoreLimits(timeout_s=60.0)) as pool:
         pool.submit("tower", POWER_TOWER, "5")  # busy for minutes: we kill it mid-job

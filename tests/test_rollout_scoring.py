@@ -1,4 +1,4 @@
-"""The rollout rank's overlapped scoring (rollout_worker.GroupScorer) gives exactly the trajectories that inline
+"""The rollout rank's overlapped scoring (rollout.GroupScorer) gives exactly the trajectories that inline
 score() gives, timeouts included, never holds more than max_pending requests unscored, and collect() does not
 wait for math-verify."""
 
@@ -8,8 +8,7 @@ import torch
 import reward_math as rm
 from buffer import Trajectory
 from reward_math import ScoreLimits, score
-from rollout import RequestOutput
-from rollout_worker import GroupScorer
+from rollout import GroupScorer, RequestOutput
 
 torch.set_num_threads(1)
 PATIENT = ScoreLimits(timeout_s=30.0)  # the equivalence test judges verdicts, not speed: no timeouts under load
