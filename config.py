@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import sys
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -115,6 +116,12 @@ class CheckpointConfig:
 class PlanConfig:
     path: str = ""  # plan JSON from schedule.py; "" = default split
     num_rollout: int = 0  # default split: rollout ranks (0 = half the world)
+
+
+@dataclass
+class DistConfig:
+    """How the ranks talk: deadlines of every wait, and the weight transfer."""
+
     timeout_s: float = 600.0  # process-group timeout for every collective
     rollout_timeout_s: float = 120.0  # a rollout rank silent this long is declared dead
     weight_bucket_mb: float = 64.0
@@ -131,10 +138,13 @@ class Config:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     plan: PlanConfig = field(default_factory=PlanConfig)
+    dist: DistConfig = field(default_factory=DistConfig)
     config_name: str = DEFAULT_CONFIG
 
 
 ALIASES = {"plan": "plan.path", "resume": "checkpoint.resume"}
+# Keys that moved: still accepted for one release, with one line saying where they live now.
+MOVED = {f"plan.{k}": f"dist.{k}" for k in ("timeout_s", "rollout_timeout_s", "weight_bucket_mb", "verify_weights")}
 
 
 def _leaves(cls, prefix: str = "") -> dict[str, type]:
@@ -158,6 +168,9 @@ def _resolve_key(key: str) -> str:
         return key
     if key in ALIASES:
         return ALIASES[key]
+    if key in MOVED:
+        print(f"hexrl: config key '{key}' is deprecated, use '{MOVED[key]}'", file=sys.stderr, flush=True)
+        return MOVED[key]
     by_leaf = [k for k in LEAVES if k.rsplit(".", 1)[-1] == key]
     if len(by_leaf) == 1:
         return by_leaf[0]
@@ -279,13 +292,11 @@ RESUMABLE_KEYS = {
     "checkpoint.every",
     "checkpoint.keep",
     "checkpoint.at_end",
-    "plan.timeout_s",
-    "plan.rollout_timeout_s",
     "plan.path",
     "plan.num_rollout",
-    "plan.weight_bucket_mb",
-    "plan.verify_weights",
     "rollout.max_pending_scores",
+    *MOVED,  # a checkpoint written before the move holds them under plan.*
+    *MOVED.values(),
 }
 
 

@@ -8,7 +8,7 @@ Messages from the head (parallel/channel.py), handled between decode steps:
   eval     {version, prompt_ids}                   -> greedy accuracy on held-out prompts, answered at once
   stop     {}                                      -> answer `bye` and return
   abort    {reason}                                -> the run is over (the head has printed why): raise Aborted
-To the head: `ready` once (model loaded, generator built, reward worker started: plan.rollout_timeout_s counts
+To the head: `ready` once (model loaded, generator built, reward worker started: dist.rollout_timeout_s counts
 only from here, so a slow start is not mistaken for a stuck rank), `result` (one finished group, with this
 rank's counters), `eval_result`, and `alive` (counters) whenever nothing else was sent for a while, so the head
 can tell a slow rank from a stuck one.
@@ -217,7 +217,7 @@ class RolloutWorker:
         self.t_start = time.monotonic()
         self.idle_s = 0.0
         self.generated_tokens = 0
-        self.heartbeat_s = min(5.0, cfg.plan.rollout_timeout_s / 4)
+        self.heartbeat_s = min(5.0, cfg.dist.rollout_timeout_s / 4)
         self.last_sent = time.monotonic()
 
     def send(self, kind: str, **payload) -> None:
@@ -343,8 +343,8 @@ class RolloutWorker:
             msgs = self.channel.poll(timeout_s=1.0 if idle else 0.0)
             if idle:
                 self.idle_s += time.monotonic() - t0
-                if not msgs and self.channel.silent_peers(self.cfg.plan.timeout_s):
-                    raise PeerTimeout([self.head], self.cfg.plan.timeout_s, "work from the train head")
+                if not msgs and self.channel.silent_peers(self.cfg.dist.timeout_s):
+                    raise PeerTimeout([self.head], self.cfg.dist.timeout_s, "work from the train head")
             for _, msg in msgs:
                 if msg["kind"] == "stop":
                     self.send_results(self.scorer.drain())  # groups decoded before the stop still reach the head

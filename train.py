@@ -16,8 +16,8 @@ The story of a run:
    from the latest complete one, truncating the logs back to it so every step is logged and trained once;
 5. every rank ends with barrier → destroy_process_group → flush → os._exit(0).
 
-Faults: every wait has a deadline. A rollout rank silent for plan.rollout_timeout_s while it owes work (counted
-from its `ready`: loading the model may take up to plan.timeout_s) is dropped (its groups re-queued, the run
+Faults: every wait has a deadline. A rollout rank silent for dist.rollout_timeout_s while it owes work (counted
+from its `ready`: loading the model may take up to dist.timeout_s) is dropped (its groups re-queued, the run
 continues with the others, and the head exits 3 at the end naming it, so the launcher reclaims the stuck
 process); a non-finite step is skipped (stop after train.max_nonfinite_steps in a row); bad input ends the run
 with one line `[rank R] error: ...` and exit code 2, and the head tells the other ranks to stop (`abort`) so
@@ -74,7 +74,7 @@ def init_distributed(cfg: Config) -> torch.device:
             "launch with torchrun, e.g. `torchrun --nproc_per_node=4 train.py` "
             "(hexrl needs at least one rollout and one train rank)"
         )
-    timeout = datetime.timedelta(seconds=cfg.plan.timeout_s)
+    timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         if local >= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
@@ -182,7 +182,7 @@ class TrainHead:
         self.buffer = StalenessBuffer(
             cfg.train.prompts_per_step, cfg.staleness.max_staleness, consume_order=cfg.staleness.consume_order
         )
-        self.sender = WeightSender(cfg.plan.weight_bucket_mb, cfg.plan.verify_weights, cfg.plan.timeout_s)
+        self.sender = WeightSender(cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s)
         self.train_ids = [r["prompt_id"] for r in train_rows]
         self.test_ids = [r["prompt_id"] for r in test_rows]
         self.data_epoch, self.data_pos = 0, 0
@@ -264,20 +264,20 @@ class TrainHead:
         for src, msg in msgs:
             self.handle(src, msg)
         if not msgs and timeout_s > 0:
-            silent = self.channel.silent_peers(self.cfg.plan.rollout_timeout_s)
+            silent = self.channel.silent_peers(self.cfg.dist.rollout_timeout_s)
             busy = [r for r in silent if r in self.rollout_ranks and (self.outstanding[r] > 0 or self._owes_eval(r))]
             for rank in busy:
-                self.drop_rollout_rank(rank, f"silent for {self.cfg.plan.rollout_timeout_s:.0f}s")
-        if time.monotonic() - self.last_command > self.cfg.plan.timeout_s / 4:
+                self.drop_rollout_rank(rank, f"silent for {self.cfg.dist.rollout_timeout_s:.0f}s")
+        if time.monotonic() - self.last_command > self.cfg.dist.timeout_s / 4:
             self.command("wait")  # the other train ranks' broadcast must not time out
 
     def await_ready(self) -> None:
-        """Rollout ranks load the model and warm up at their own pace (plan.timeout_s, like any collective);
-        plan.rollout_timeout_s, the bound for a stuck rank, applies once they have said `ready`."""
-        deadline = time.monotonic() + self.cfg.plan.timeout_s
+        """Rollout ranks load the model and warm up at their own pace (dist.timeout_s, like any collective);
+        dist.rollout_timeout_s, the bound for a stuck rank, applies once they have said `ready`."""
+        deadline = time.monotonic() + self.cfg.dist.timeout_s
         while missing := [r for r in self.rollout_ranks if r not in self.ready_ranks]:
             if time.monotonic() > deadline:
-                raise PeerTimeout(missing, self.cfg.plan.timeout_s, "rollout ranks to load the model (`ready`)")
+                raise PeerTimeout(missing, self.cfg.dist.timeout_s, "rollout ranks to load the model (`ready`)")
             self.pump(timeout_s=0.5)  # owes nothing yet, so nobody is dropped for silence here
 
     def rollout_total(self, key: str) -> float:
@@ -290,7 +290,7 @@ class TrainHead:
     def drop_rollout_rank(self, rank: int, why: str) -> None:
         """Continue without a stuck rollout rank: re-queue its groups, forget its eval share and weight sends."""
         if len(self.rollout_ranks) == 1:
-            raise PeerTimeout([rank], self.cfg.plan.rollout_timeout_s, "rollout results (no rollout rank left)")
+            raise PeerTimeout([rank], self.cfg.dist.rollout_timeout_s, "rollout results (no rollout rank left)")
         self.rollout_ranks.remove(rank)
         self.lost_ranks.append(rank)
         self.channel.closed.add(rank)
@@ -336,14 +336,14 @@ class TrainHead:
             self.state_dict = self.trainer.gather_full_state_dict()
             self.in_collective = False
         t0 = time.perf_counter()
-        self.await_weight_receipts(self.cfg.plan.rollout_timeout_s)
+        self.await_weight_receipts(self.cfg.dist.rollout_timeout_s)
         self.sender.send(
             self.channel,
             self.rollout_ranks,
             self.state_dict,
             self.buffer.version,
             self.device,
-            self.cfg.plan.rollout_timeout_s,
+            self.cfg.dist.rollout_timeout_s,
         )
         self.buffer.weights_sent(self.buffer.version)  # only now may groups be admitted at this version
         return time.perf_counter() - t0
@@ -515,7 +515,7 @@ class TrainHead:
         self.stopped = True
         for rank in self.rollout_ranks:
             self.channel.send(rank, "stop")
-        deadline = time.monotonic() + self.cfg.plan.timeout_s
+        deadline = time.monotonic() + self.cfg.dist.timeout_s
         while any(r not in self.channel.closed for r in self.rollout_ranks) and time.monotonic() < deadline:
             for src, msg in self.channel.poll(timeout_s=0.5):
                 if msg["kind"] in ("result", "eval_result", "bye", "alive") and src in self.counters:
@@ -524,7 +524,7 @@ class TrainHead:
                     self.note_weights_taken(src, msg["version"])
         for rank in self.weights_not_taken():
             self.sender.forget(rank)  # it never took the last version: do not wait on gloo for it
-        self.sender.wait(self.cfg.plan.timeout_s)
+        self.sender.wait(self.cfg.dist.timeout_s)
 
     def abort(self, reason: str) -> None:
         """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""

@@ -79,7 +79,7 @@ def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
         f"logging.run_dir={tmp_path / 'runs'}",
         "logging.run_name=r",
         "logging.progress=false",
-        "plan.timeout_s=60",
+        "dist.timeout_s=60",
     ]
     cases = {
         "world": ([f"plan={bad_plan}"], "rank map is for world_size=8 but torchrun started 2 ranks"),
@@ -131,7 +131,7 @@ def test_bad_plan_files_are_one_line(tmp_path, tiny_model_dir):
                 f"logging.run_dir={tmp_path / 'runs'}",
                 f"logging.run_name={name}",
                 "logging.progress=false",
-                "plan.timeout_s=60",
+                "dist.timeout_s=60",
                 f"plan={tmp_path / f'{name}.json'}",
             ],
             nproc=2,

@@ -80,3 +80,20 @@ def test_mismatched_keys_ignores_resumable_ones():
     a = to_dict(load_config([]))
     b = to_dict(load_config(["train.total_steps=7", "train.lr=1e-3"]))
     assert mismatched_keys(a, b) == ["train.lr"]
+
+
+def test_moved_keys_still_work_for_one_release_with_one_line(capsys):
+    cfg = load_config(["plan.timeout_s=30", "plan.verify_weights=false"])
+    assert cfg.dist.timeout_s == 30.0 and cfg.dist.verify_weights is False
+    err = capsys.readouterr().err.splitlines()
+    assert err == [
+        "hexrl: config key 'plan.timeout_s' is deprecated, use 'dist.timeout_s'",
+        "hexrl: config key 'plan.verify_weights' is deprecated, use 'dist.verify_weights'",
+    ]
+
+
+def test_a_checkpoint_from_before_the_move_still_resumes():
+    current = to_dict(load_config([]))
+    saved = to_dict(load_config([]))
+    saved["plan"].update(saved.pop("dist"))  # the layout checkpoints had before the dist section
+    assert mismatched_keys(saved, current) == []

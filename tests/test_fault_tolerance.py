@@ -3,7 +3,7 @@
 * SIGKILL a train rank / a rollout rank at a random step, relaunch with resume=auto until the steps are done;
   the ledger must show every planned trajectory consumed exactly once, monotonic versions, the staleness bound for
   every token before and after the restart, and metrics.jsonl must hold each step exactly once, in order.
-* SIGSTOP a rollout rank: the head drops it within plan.rollout_timeout_s, re-queues its groups, finishes with the
+* SIGSTOP a rollout rank: the head drops it within dist.rollout_timeout_s, re-queues its groups, finishes with the
   other rollout rank, and exits non-zero naming the stuck rank (so the launcher reclaims it).
 Set HEXRL_FAULT_SEED to replay a failure (the seed is in every assertion message).
 """
@@ -43,7 +43,7 @@ def base_args(model_dir: Path, run_dir: Path, eta: int, extra=()) -> list[str]:
         "checkpoint.every=2",
         "checkpoint.keep=2",
         "resume=auto",
-        "plan.timeout_s=90",
+        "dist.timeout_s=90",
         *extra,
     ]
 
@@ -180,7 +180,7 @@ def test_sigkill_train_then_rollout_rank_resume_exactly_once(tmp_path, tiny_mode
 def test_stuck_rollout_rank_is_dropped_and_named(tmp_path, tiny_model_dir):
     run = tmp_path / "r"
     timeout = 4
-    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"plan.rollout_timeout_s={timeout}"]), tmp_path / "stop")
+    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"dist.rollout_timeout_s={timeout}"]), tmp_path / "stop")
     wait_until(lambda: len(step_lines(run)) >= 1, proc, 180, "step 1")
     pids = worker_pids(proc.pid)
     os.kill(pids[3], signal.SIGSTOP)
@@ -283,7 +283,7 @@ def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(wo
     from buffer import Trajectory
 
     channel = RecordingChannel([1, 2])
-    head = make_head(tmp_path, channel, "staleness.max_staleness=1", "plan.rollout_timeout_s=0.3")
+    head = make_head(tmp_path, channel, "staleness.max_staleness=1", "dist.rollout_timeout_s=0.3")
     head.sender, head.state_dict = RecordingSender(channel, [1, 2]), {}
     head.buffer.weights_sent(0)
     head.grant()  # (0 + eta + 1) * B = 4 groups, 2 per rank
@@ -344,11 +344,11 @@ class ScriptedChannel(RecordingChannel):
 
 
 def test_slow_start_is_not_a_stuck_rank(tmp_path):
-    """Rollout ranks still loading must not be dropped as stuck: a rank is held to plan.rollout_timeout_s
+    """Rollout ranks still loading must not be dropped as stuck: a rank is held to dist.rollout_timeout_s
     only after it says `ready`, however long its start takes."""
     ready = {"kind": "ready", "counters": {}}
     channel = ScriptedChannel([1, 2], [(0.1, 1, ready), (1.5, 2, ready)])  # rank 2: 5x rollout_timeout_s
-    head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=30")
+    head = make_head(tmp_path, channel, "dist.rollout_timeout_s=0.3", "dist.timeout_s=30")
     head.await_ready()
     assert head.rollout_ranks == [1, 2] and head.ready_ranks == {1, 2}
     assert not [m for m in channel.sent if m[1] == "abort"], channel.sent
@@ -358,7 +358,7 @@ def test_rank_that_never_starts_is_named(tmp_path):
     from parallel.channel import PeerTimeout
 
     channel = ScriptedChannel([1, 2], [(0.1, 1, {"kind": "ready", "counters": {}})])
-    head = make_head(tmp_path, channel, "plan.rollout_timeout_s=0.3", "plan.timeout_s=1.5")
+    head = make_head(tmp_path, channel, "dist.rollout_timeout_s=0.3", "dist.timeout_s=1.5")
     t0 = time.monotonic()
     with pytest.raises(PeerTimeout) as raised:
         head.await_ready()
