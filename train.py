@@ -26,6 +26,7 @@ none waits forever.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -326,15 +327,23 @@ class TrainHead:
                 self.log.eval_result(version, ev["correct"] / ev["total"], ev["total"])
             del self.pending_eval[version]
 
+    @contextlib.contextmanager
+    def collective(self):
+        """A collective of the train group runs inside: an error there reaches every train rank by itself, so
+        abort() must not start another one. The flag is cleared only on a clean exit; after an error it stays
+        set for abort()."""
+        self.in_collective = True
+        yield
+        self.in_collective = False
+
     def wait_evals(self) -> None:
         while self.pending_eval:
             self.pump(timeout_s=1.0)
 
     def sync_weights(self, changed: bool = True) -> float:
         if changed or self.state_dict is None:
-            self.in_collective = True
-            self.state_dict = self.trainer.gather_full_state_dict()
-            self.in_collective = False
+            with self.collective():
+                self.state_dict = self.trainer.gather_full_state_dict()
         t0 = time.perf_counter()
         self.await_weight_receipts(self.cfg.dist.rollout_timeout_s)
         self.sender.send(
@@ -388,9 +397,8 @@ class TrainHead:
         t0 = time.perf_counter()
         if finite_inputs:
             self.command("train", trajectories=[t.to_dict() for t in trajs])
-            self.in_collective = True
-            stats = self.trainer.train_step(trajs)
-            self.in_collective = False
+            with self.collective():
+                stats = self.trainer.train_step(trajs)
         else:
             stats = {"loss": float("nan"), "grad_norm": float("nan"), "trained_tokens": 0.0}
         updated = finite_inputs and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
@@ -432,10 +440,9 @@ class TrainHead:
         version = self.buffer.version
         tmp = self.writer.begin(version)
         self.command("checkpoint", dir=str(tmp))
-        self.in_collective = True
-        save_train_shard(self.trainer, tmp, dist.get_rank())
-        dist.barrier(group=self.groups.train_group)
-        self.in_collective = False
+        with self.collective():
+            save_train_shard(self.trainer, tmp, dist.get_rank())
+            dist.barrier(group=self.groups.train_group)
         head_state = {
             "config": to_dict(self.cfg),
             "version": version,

@@ -365,3 +365,22 @@ def test_rank_that_never_starts_is_named(tmp_path):
     assert "[2]" in str(raised.value) and "ready" in str(raised.value), str(raised.value)
     assert 1.5 <= time.monotonic() - t0 < 10
     assert "wait" in head.commands  # the train followers were kept from timing out meanwhile
+
+
+def test_abort_starts_no_train_collective_after_an_error_inside_one(tmp_path):
+    """An error inside a train-group collective reaches every train rank by itself: abort() then tells only the
+    rollout ranks; after a clean collective it tells the train ranks too."""
+    channel = RecordingChannel([1, 2])
+    head = make_head(tmp_path, channel)
+    head.command = lambda kind, **payload: head.commands.append((kind, payload))
+    with head.collective():
+        pass
+    head.abort("after a clean collective")
+    assert head.commands == [("abort", {"reason": "after a clean collective"})]
+    head.commands.clear()
+    channel.sent.clear()
+    with pytest.raises(RuntimeError, match="peer gone"), head.collective():
+        raise RuntimeError("peer gone")
+    head.abort("inside a collective")
+    assert head.commands == []
+    assert [(dst, kind) for dst, kind, _ in channel.sent] == [(1, "abort"), (2, "abort")]
