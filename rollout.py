@@ -264,8 +264,7 @@ class RolloutWorker:
                 )
 
     def on_weights(self, msg: dict) -> None:
-        p = self.cfg.plan
-        state_dict = receive_weights(msg, self.head, self.device, p.verify_weights)
+        state_dict = receive_weights(msg, self.head, self.device, self.cfg.dist.verify_weights)
         self.gen.update_weights(state_dict, msg["version"])
         self.send("weights_ok", version=msg["version"])  # the head may now reuse the send buffers
 
