@@ -77,12 +77,14 @@ class TrainConfig:
     weight_decay: float = 0.0
     betas: list = field(default_factory=lambda: [0.9, 0.95])
     eps: float = 1e-8
-    grad_clip: float = 1.0
+    grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     clip_eps: float = 0.2
     behav_imp_weight_cap: float = 5.0  # 0 = no cap
     recompute_prox_logprobs: bool = True  # decoupled PPO (AReaL); False = standard PPO (prox = behaviour)
     ppo_minibatches: int = 1
     micro_batch_tokens: int = 8192
+    min_microbatches: int = 0  # per DP rank and minibatch; 0 = the pipeline depth (keeps every stage busy)
+    grad_bucket_mb: float = 25.0  # DP gradient all-reduce bucket
     advantage_eps: float = 1e-6
     max_nonfinite_steps: int = 3  # skip a non-finite loss; stop after this many in a row
     seed: int = 1
@@ -267,6 +269,9 @@ def validate(cfg: Config) -> None:
         (cfg.data.on_bad_row in ("skip", "fail"), "data.on_bad_row must be skip|fail"),
         (cfg.logging.wandb in ("offline", "online", "disabled"), "logging.wandb must be offline|online|disabled"),
         (cfg.train.ppo_minibatches >= 1, "train.ppo_minibatches must be >= 1"),
+        (cfg.train.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)"),
+        (cfg.train.behav_imp_weight_cap >= 0, "train.behav_imp_weight_cap must be >= 0 (0 = no cap)"),
+        (cfg.train.min_microbatches >= 0, "train.min_microbatches must be >= 0 (0 = the pipeline depth)"),
         (cfg.rollout.max_seq_len > cfg.rollout.max_new_tokens, "rollout.max_seq_len must exceed max_new_tokens"),
         (len(cfg.train.betas) == 2, "train.betas must be a list of two floats"),
     ]
@@ -301,5 +306,8 @@ RESUMABLE_KEYS = {
 
 
 def mismatched_keys(saved: dict, current: dict) -> list[str]:
+    """Keys whose values differ; a key added after the checkpoint was written counts as its default there."""
     a, b = _flatten(saved), _flatten(current)
+    defaults = _flatten(to_dict(Config()))
+    a = {**defaults, **a}
     return sorted(k for k in set(a) | set(b) if k not in RESUMABLE_KEYS and a.get(k) != b.get(k))

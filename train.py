@@ -124,25 +124,13 @@ def load_policy(cfg: Config, device: torch.device):
 
 
 def make_trainer(cfg: Config, groups, device: torch.device):
-    from parallel.trainer import Trainer, TrainerConfig
+    from parallel.trainer import Trainer
 
-    t = cfg.train
-    tcfg = TrainerConfig(
-        lr=t.lr,
-        weight_decay=t.weight_decay,
-        betas=tuple(t.betas),
-        eps=t.eps,
-        grad_clip=t.grad_clip or None,
-        clip_eps=t.clip_eps,
-        behav_imp_weight_cap=t.behav_imp_weight_cap or None,
-        recompute_prox_logprobs=t.recompute_prox_logprobs,
-        temperature=cfg.rollout.temperature or 1.0,
-        ppo_minibatches=t.ppo_minibatches,
-        micro_batch_tokens=t.micro_batch_tokens,
-        seed=t.seed,
-        dtype="bfloat16" if resolve_dtype(cfg, device) == torch.bfloat16 else "float32",
-    )
-    return Trainer(cfg.model.path, groups, tcfg, device)
+    # temperature 0 is greedy sampling, whose tokens are scored under the untempered policy
+    temperature = cfg.rollout.temperature or 1.0
+    # the trainer computes in bf16 or fp32 (an fp16 rollout model still trains in fp32)
+    compute_dtype = torch.bfloat16 if resolve_dtype(cfg, device) == torch.bfloat16 else torch.float32
+    return Trainer(cfg.model.path, groups, cfg.train, device, temperature=temperature, compute_dtype=compute_dtype)
 
 
 def broadcast_json(obj, src: int, group) -> dict:

@@ -87,9 +87,10 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
+    from config import TrainConfig
     from parallel.groups import build_groups
     from parallel.rankmap import make_train_plan
-    from parallel.trainer import Trainer, TrainerConfig
+    from parallel.trainer import Trainer
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -100,7 +101,7 @@ def worker(args) -> None:
     stage_layers = [(sum(sizes[:s]), sum(sizes[: s + 1])) for s in range(pp)]
     groups = build_groups(make_train_plan(dp, tp, pp, stage_layers))
     trainer = Trainer(
-        model, groups, TrainerConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, min_microbatches=1), "cpu"
+        model, groups, TrainConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, min_microbatches=1), "cpu"
     )
     trajs = bench_trajectories(args.seqs, args.prompt, args.response)
     metrics = trainer.train_step(trajs)  # warm-up

@@ -27,7 +27,7 @@ def decoupled_ppo_terms(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
-    behav_imp_weight_cap: float | None = None,
+    behav_imp_weight_cap: float = 0.0,
 ) -> dict[str, torch.Tensor]:
     """Per-token terms of the decoupled PPO objective; every tensor has the shape of `logp`.
 
@@ -48,7 +48,7 @@ def decoupled_ppo_terms(
     prox_logp = torch.where(valid, prox_logp.detach(), 0.0)
     imp_weight = torch.exp(prox_logp - torch.where(valid, behav_logp.detach(), 0.0))
     loss_mask = valid
-    if behav_imp_weight_cap is not None:
+    if behav_imp_weight_cap > 0:  # 0 = no cap
         loss_mask = valid & (imp_weight <= behav_imp_weight_cap)
     ratio = torch.exp(torch.where(loss_mask, logp, 0.0) - torch.where(loss_mask, prox_logp, 0.0))
     advantages = torch.where(loss_mask, advantages, 0.0)
@@ -68,7 +68,7 @@ def decoupled_ppo_loss(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     clip_eps: float,
-    behav_imp_weight_cap: float | None = None,
+    behav_imp_weight_cap: float = 0.0,
     num_valid_tokens: int | float | torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """loss = sum(max(-A r, -A clip(r, 1-eps, 1+eps)) * w * mask) / num_valid_tokens,

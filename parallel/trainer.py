@@ -21,29 +21,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from config import TrainConfig
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
 from parallel.ppo import decoupled_ppo_terms, token_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
 from parallel.tensor_parallel import DecoderStage, PackedSeqs, packed_position_ids
-
-
-@dataclass
-class TrainerConfig:
-    lr: float = 1e-6
-    weight_decay: float = 0.0
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    grad_clip: float | None = 1.0  # max global grad norm; None = no clipping
-    clip_eps: float = 0.2
-    behav_imp_weight_cap: float | None = None  # mask tokens with pi_prox/pi_behav above this
-    recompute_prox_logprobs: bool = True  # False: pi_prox := pi_behav (standard PPO)
-    temperature: float = 1.0
-    ppo_minibatches: int = 1
-    micro_batch_tokens: int = 8192
-    min_microbatches: int | None = None  # per DP rank and minibatch; None -> pp (keeps the pipeline full)
-    seed: int = 1
-    dtype: str = "float32"  # "bfloat16": bf16 autocast compute, fp32 master weights + Adam
-    grad_bucket_mb: float = 25.0
 
 
 @dataclass
@@ -88,14 +70,28 @@ def _check_trajectories(trajs: list, vocab_size: int) -> None:
 
 
 class Trainer:
-    def __init__(self, model_path_or_module: Any, groups, config: TrainerConfig, device: str | torch.device):
+    def __init__(
+        self,
+        model_path_or_module: Any,
+        groups,
+        config: TrainConfig,
+        device: str | torch.device,
+        *,
+        temperature: float = 1.0,
+        compute_dtype: torch.dtype = torch.float32,
+    ):
+        """`config` is the run's `train` section; `temperature` is the one the rollout samples at (log-probs
+        follow it); `compute_dtype` bfloat16 means bf16 autocast over fp32 master weights and AdamW state."""
         if not groups.is_train:
             raise ValueError(f"Trainer: rank {groups.rank} has role {groups.role!r}, not 'train'")
-        if config.dtype not in ("float32", "bfloat16"):
-            raise ValueError(f"TrainerConfig.dtype must be 'float32' or 'bfloat16', got {config.dtype!r}")
+        if compute_dtype not in (torch.float32, torch.bfloat16):
+            raise ValueError(f"Trainer: compute_dtype must be float32 or bfloat16, got {compute_dtype}")
         if config.ppo_minibatches < 1:
-            raise ValueError(f"TrainerConfig.ppo_minibatches must be >= 1, got {config.ppo_minibatches}")
+            raise ValueError(f"train.ppo_minibatches must be >= 1, got {config.ppo_minibatches}")
+        if temperature <= 0:
+            raise ValueError(f"Trainer: temperature must be > 0, got {temperature}")
         self.cfg, self.groups, self.device = config, groups, torch.device(device)
+        self.temperature = temperature
         torch.manual_seed(config.seed)
         hf_model = self._load(model_path_or_module)
         self.hf_config = hf_model.config
@@ -122,10 +118,14 @@ class Trainer:
         del hf_model
         self.params = dict(self.stage.named_parameters())
         self.optimizer = torch.optim.AdamW(
-            self.params.values(), lr=config.lr, betas=config.betas, eps=config.eps, weight_decay=config.weight_decay
+            self.params.values(),
+            lr=config.lr,
+            betas=tuple(config.betas),
+            eps=config.eps,
+            weight_decay=config.weight_decay,
         )
         self.links = StageLinks.from_groups(groups, self.device)
-        self.autocast_dtype = torch.bfloat16 if config.dtype == "bfloat16" else None
+        self.autocast_dtype = compute_dtype if compute_dtype != torch.float32 else None
         self.step = 0
 
     @staticmethod
@@ -140,7 +140,7 @@ class Trainer:
     # batching
 
     def _min_microbatches(self) -> int:
-        return self.cfg.min_microbatches if self.cfg.min_microbatches is not None else self.groups.pp
+        return self.cfg.min_microbatches or self.groups.pp
 
     def _minibatch(self, trajs: list) -> Minibatch:
         g = self.groups
@@ -195,9 +195,9 @@ class Trainer:
     def _logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         g = self.groups
         if g.tp == 1:
-            return token_logprobs_and_entropy(local_logits, targets, self.cfg.temperature)
+            return token_logprobs_and_entropy(local_logits, targets, self.temperature)
         return vocab_parallel_logprobs_and_entropy(
-            local_logits, targets, self.stage.vocab_start, g.tp_group, self.cfg.temperature
+            local_logits, targets, self.stage.vocab_start, g.tp_group, self.temperature
         )
 
     def _act_shape(self, micro: list[MicroBatch]):
@@ -342,7 +342,7 @@ class Trainer:
             stats = self.forward_backward(mb, prox_from_forward)
             norm = self.global_grad_norm()
             grad_norms.append(norm.item())
-            if cfg.grad_clip is not None:
+            if cfg.grad_clip > 0:
                 coef = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
                 for p in self.params.values():
                     p.grad.mul_(coef.to(p.grad.dtype))

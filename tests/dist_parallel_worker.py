@@ -26,11 +26,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from config import TrainConfig  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
 from parallel.ppo import decoupled_ppo_loss, token_logprobs_and_entropy  # noqa: E402
 from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.tensor_parallel import slice_shard  # noqa: E402
-from parallel.trainer import Trainer, TrainerConfig  # noqa: E402
+from parallel.trainer import Trainer  # noqa: E402
 
 torch.set_num_threads(1)
 TOL = 1e-5
@@ -100,11 +101,19 @@ def make_trajectories(model, n: int, temperature: float) -> list[Traj]:
     return out
 
 
-def reference_minibatch_loss(model, trajs, prox, cfg: TrainerConfig) -> torch.Tensor:
+TEMPERATURE = 0.9  # the rollout temperature the trajectories were sampled at
+
+
+def trainer_config(**overrides) -> TrainConfig:
+    """The `train` section these tests train with: no importance-weight cap and Adam's textbook betas unless set."""
+    return TrainConfig(**{"betas": [0.9, 0.999], "behav_imp_weight_cap": 0.0, **overrides})
+
+
+def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: float) -> torch.Tensor:
     n = sum(len(t.response_ids) for t in trajs)
     loss = 0.0
     for tr, px in zip(trajs, prox):
-        lp = seq_logprobs(model, tr, cfg.temperature)
+        lp = seq_logprobs(model, tr, temperature)
         r = len(tr.response_ids)
         loss = (
             loss
@@ -122,22 +131,24 @@ def reference_minibatch_loss(model, trajs, prox, cfg: TrainerConfig) -> torch.Te
     return loss
 
 
-def reference(model, trajs, cfg: TrainerConfig):
+def reference(model, trajs, cfg: TrainConfig, temperature: float = TEMPERATURE):
     """-> (loss, grads) of the whole batch; (losses, params) after a train_step with cfg.ppo_minibatches updates"""
     model = copy.deepcopy(model)
     with torch.no_grad():
-        prox = [seq_logprobs(model, t, cfg.temperature) for t in trajs]
-    loss = reference_minibatch_loss(model, trajs, prox, cfg)
+        prox = [seq_logprobs(model, t, temperature) for t in trajs]
+    loss = reference_minibatch_loss(model, trajs, prox, cfg, temperature)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
-    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    opt = torch.optim.AdamW(
+        model.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.eps, weight_decay=cfg.weight_decay
+    )
     k = cfg.ppo_minibatches
     bounds = [round(j * len(trajs) / k) for j in range(k + 1)]
     losses = []
     for j in range(k):
         sl = slice(bounds[j], bounds[j + 1])
-        mb_loss = reference_minibatch_loss(model, trajs[sl], prox[sl], cfg)
+        mb_loss = reference_minibatch_loss(model, trajs[sl], prox[sl], cfg, temperature)
         mb_loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -169,7 +180,7 @@ def main() -> int:
 
     for kind in args.models.split(","):
         model = tiny_model(kind)
-        cfg = TrainerConfig(
+        cfg = trainer_config(
             lr=1e-3,
             weight_decay=0.01,
             eps=1e-6,
@@ -177,11 +188,10 @@ def main() -> int:
             clip_eps=0.2,
             behav_imp_weight_cap=3.0,
             recompute_prox_logprobs=True,
-            temperature=0.9,
             ppo_minibatches=3,
             micro_batch_tokens=24,
         )
-        trajs = make_trajectories(model, 10, cfg.temperature)
+        trajs = make_trajectories(model, 10, TEMPERATURE)
         ref_loss, ref_grads, ref_losses, ref_after = reference(model, trajs, cfg)
         ref_init = {n: t.clone() for n, t in model.state_dict().items()}
         for layout in args.layouts.split(";"):
@@ -193,7 +203,7 @@ def main() -> int:
             tag = f"{kind} dp={dp} tp={tp} pp={pp} layers={split}"
             if groups.is_train:
                 # 1) gather == reference, bitwise
-                trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu")
+                trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE)
                 full = trainer.gather_full_state_dict()
                 if groups.is_train_head:
                     same = (
@@ -221,7 +231,7 @@ def main() -> int:
                         worst, worst_name = e, name
                 report(tag + " grads", worst <= TOL, f"n={len(trainer.params)} max_rel={worst:.2e} ({worst_name})")
                 # 3) three PPO minibatch updates from the initial weights
-                trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu")
+                trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE)
                 metrics = trainer.train_step(trajs)
                 ref_mean = sum(ref_losses) / len(ref_losses)
                 report(

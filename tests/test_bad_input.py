@@ -222,7 +222,7 @@ def test_resume_refuses_other_config_and_incomplete_checkpoints(tmp_path):
 
 # ---------------------------------------------------------------------------------------------- non-finite steps
 def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
-    from dist_parallel_worker import make_trajectories, tiny_model
+    from dist_parallel_worker import make_trajectories, tiny_model, trainer_config
 
     from buffer import Trajectory
     from checkpoint import CheckpointWriter
@@ -230,13 +230,13 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     from parallel.channel import Channel
     from parallel.groups import build_groups
     from parallel.rankmap import make_train_plan
-    from parallel.trainer import Trainer, TrainerConfig
+    from parallel.trainer import Trainer
     from runlog import RunLog
     from train import NonFiniteError, TrainHead
 
     model = tiny_model("llama")
     groups = build_groups(make_train_plan(1, 1, 1, [(0, model.config.num_hidden_layers)]))
-    trainer = Trainer(copy.deepcopy(model), groups, TrainerConfig(lr=1e-2, micro_batch_tokens=64), "cpu")
+    trainer = Trainer(copy.deepcopy(model), groups, trainer_config(lr=1e-2, micro_batch_tokens=64), "cpu")
     trajs = [
         Trajectory(
             prompt_id=t.prompt_id,

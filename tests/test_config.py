@@ -97,3 +97,18 @@ def test_a_checkpoint_from_before_the_move_still_resumes():
     saved = to_dict(load_config([]))
     saved["plan"].update(saved.pop("dist"))  # the layout checkpoints had before the dist section
     assert mismatched_keys(saved, current) == []
+
+
+def test_a_key_added_after_the_checkpoint_counts_as_its_default_there():
+    saved = to_dict(load_config([]))
+    del saved["train"]["min_microbatches"]  # a checkpoint written before the key existed
+    assert mismatched_keys(saved, to_dict(load_config([]))) == []
+    assert mismatched_keys(saved, to_dict(load_config(["train.min_microbatches=2"]))) == ["train.min_microbatches"]
+
+
+def test_off_is_zero_and_negative_values_are_refused():
+    cfg = load_config(["train.grad_clip=0", "train.behav_imp_weight_cap=0", "train.min_microbatches=0"])
+    assert (cfg.train.grad_clip, cfg.train.behav_imp_weight_cap, cfg.train.min_microbatches) == (0, 0, 0)
+    for key in ("train.grad_clip", "train.behav_imp_weight_cap", "train.min_microbatches"):
+        with pytest.raises(ConfigError, match=f"{key} must be >= 0"):
+            load_config([f"{key}=-1"])

@@ -124,28 +124,24 @@ def nccl_world_of_one():
 def test_trainer_on_cuda_matches_the_cpu_reference(nccl_world_of_one, dtype):
     """One PPO train_step on CUDA (NCCL group of one): fp32 equals the 1-process CPU reference within 1e-4
     (loss and parameters); bf16 autocast with fp32 master weights stays within bf16's error of it."""
-    from dist_parallel_worker import make_trajectories, reference, tiny_model
+    from dist_parallel_worker import TEMPERATURE, make_trajectories, reference, tiny_model, trainer_config
 
     from parallel.groups import build_groups
     from parallel.rankmap import make_train_plan
-    from parallel.trainer import Trainer, TrainerConfig
+    from parallel.trainer import Trainer
 
     model = tiny_model("qwen2")
-    cfg = TrainerConfig(
-        lr=1e-3,
-        eps=1e-6,
-        grad_clip=1.0,
-        ppo_minibatches=2,
-        micro_batch_tokens=24,
-        temperature=0.9,
-        behav_imp_weight_cap=3.0,
-        dtype=dtype,
+    cfg = trainer_config(
+        lr=1e-3, eps=1e-6, grad_clip=1.0, ppo_minibatches=2, micro_batch_tokens=24, behav_imp_weight_cap=3.0
     )
-    trajs = make_trajectories(model, 6, cfg.temperature)
-    trainer = Trainer(copy.deepcopy(model), build_groups(make_train_plan(1, 1, 1, [(0, 4)])), cfg, CUDA)
+    trajs = make_trajectories(model, 6, TEMPERATURE)
+    groups = build_groups(make_train_plan(1, 1, 1, [(0, 4)]))
+    trainer = Trainer(
+        copy.deepcopy(model), groups, cfg, CUDA, temperature=TEMPERATURE, compute_dtype=getattr(torch, dtype)
+    )
     assert all(p.device.type == "cuda" and p.dtype == torch.float32 for p in trainer.params.values())
     metrics = trainer.train_step(trajs)
-    _, _, ref_losses, ref_after = reference(model, trajs, TrainerConfig(**{**cfg.__dict__, "dtype": "float32"}))
+    _, _, ref_losses, ref_after = reference(model, trajs, cfg)
     after = {n: t.cpu() for n, t in trainer.gather_full_state_dict().items()}
     if dtype == "float32":
         assert metrics["loss"] == pytest.approx(sum(ref_losses) / 2, rel=1e-4)

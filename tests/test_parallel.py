@@ -109,30 +109,24 @@ def test_plan_roundtrip_and_errors():
 
 
 def test_single_rank_trainer(world_of_one):
-    from dist_parallel_worker import make_trajectories, reference, tiny_model
+    from dist_parallel_worker import TEMPERATURE, make_trajectories, reference, tiny_model, trainer_config
 
-    from parallel.trainer import Trainer, TrainerConfig
+    from parallel.trainer import Trainer
 
     model = tiny_model("qwen2")
-    cfg = TrainerConfig(
-        lr=1e-3,
-        eps=1e-6,
-        grad_clip=1.0,
-        ppo_minibatches=2,
-        micro_batch_tokens=24,
-        temperature=0.9,
-        behav_imp_weight_cap=3.0,
+    cfg = trainer_config(
+        lr=1e-3, eps=1e-6, grad_clip=1.0, ppo_minibatches=2, micro_batch_tokens=24, behav_imp_weight_cap=3.0
     )
-    trajs = make_trajectories(model, 6, cfg.temperature)
+    trajs = make_trajectories(model, 6, TEMPERATURE)
     groups = build_groups(make_train_plan(1, 1, 1, [(0, 4)]))
     with pytest.raises(PlanError, match="world_size=2"):
         build_groups(make_train_plan(2, 1, 1, [(0, 4)]))
     with pytest.raises(ValueError, match="cover layers"):
-        Trainer(model, build_groups(make_train_plan(1, 1, 1, [(0, 3)])), cfg, "cpu")
+        Trainer(model, build_groups(make_train_plan(1, 1, 1, [(0, 3)])), cfg, "cpu", temperature=TEMPERATURE)
 
     import copy
 
-    trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu")
+    trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE)
     # bad input: one clear message each
     broken = copy.deepcopy(trajs[0])
     broken.behav_logprobs = broken.behav_logprobs[:-1]
@@ -163,7 +157,7 @@ def test_single_rank_trainer(world_of_one):
     assert all(torch.equal(again[n], after[n]) for n in after)
 
     # bf16 compute (fp32 master weights): close to, not equal to, fp32
-    bf16 = Trainer(copy.deepcopy(model), groups, TrainerConfig(**{**cfg.__dict__, "dtype": "bfloat16"}), "cpu")
+    bf16 = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE, compute_dtype=torch.bfloat16)
     m16 = bf16.train_step(trajs)
     assert all(p.dtype == torch.float32 for p in bf16.params.values())
     assert m16["loss"] == pytest.approx(metrics["loss"], rel=0.05, abs=0.02)

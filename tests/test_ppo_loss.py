@@ -22,7 +22,7 @@ def numpy_decoupled_loss(logp, prox, behav, adv, mask, eps, cap, n):
         if not mask[i]:
             continue
         w = math.exp(prox[i] - behav[i])
-        if cap is not None and w > cap:
+        if cap > 0 and w > cap:  # cap 0 = no cap
             continue
         r = math.exp(logp[i] - prox[i])
         rc = min(max(r, 1 - eps), 1 + eps)
@@ -44,7 +44,7 @@ def t(x, dtype=torch.float64):
     return torch.tensor(x, dtype=dtype)
 
 
-@pytest.mark.parametrize("cap", [None, 1.5])
+@pytest.mark.parametrize("cap", [0.0, 1.5])
 def test_decoupled_loss_matches_formula(cap):
     logp, prox, behav, adv, mask = make_inputs()
     loss, stats = decoupled_ppo_loss(t(logp), t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, cap)
@@ -53,17 +53,17 @@ def test_decoupled_loss_matches_formula(cap):
     w = np.exp(prox - behav)[mask]
     assert stats["importance_weight_mean"] == pytest.approx(w.mean(), rel=1e-12)
     assert stats["importance_weight_max"] == pytest.approx(w.max(), rel=1e-12)
-    keep = mask & ((np.exp(prox - behav) <= cap) if cap is not None else True)
+    keep = mask & ((np.exp(prox - behav) <= cap) if cap > 0 else True)
     assert stats["num_loss_tokens"] == keep.sum()
 
 
 def test_global_token_normaliser_makes_splits_add_up():
     logp, prox, behav, adv, mask = make_inputs(seed=1, n=20)
     n = int(mask.sum())
-    full, _ = decoupled_ppo_loss(t(logp), t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, None)
+    full, _ = decoupled_ppo_loss(t(logp), t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, 0.0)
     parts = sum(
         decoupled_ppo_loss(
-            t(logp[s]), t(prox[s]), t(behav[s]), t(adv[s]), t(mask[s], torch.bool), 0.2, None, num_valid_tokens=n
+            t(logp[s]), t(prox[s]), t(behav[s]), t(adv[s]), t(mask[s], torch.bool), 0.2, 0.0, num_valid_tokens=n
         )[0]
         for s in (slice(0, 7), slice(7, 20))
     )
@@ -99,7 +99,7 @@ def test_cap_masks_tokens_but_keeps_denominator():
     assert stats["num_loss_tokens"] == 2 and stats["importance_weight_max"] == pytest.approx(math.e**2)
 
 
-def _loss_and_grad(logp, prox, behav, adv, mask, cap=None, num_valid_tokens=None):
+def _loss_and_grad(logp, prox, behav, adv, mask, cap=0.0, num_valid_tokens=None):
     lp = t(logp).requires_grad_()
     loss, _ = decoupled_ppo_loss(lp, t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, cap, num_valid_tokens)
     loss.backward()
