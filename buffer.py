@@ -67,10 +67,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from errors import HexrlError
+
 CONSUME_ORDERS = ("deadline", "admission", "completion")
 
 
-class StalenessError(RuntimeError):
+class StalenessError(HexrlError, RuntimeError):
     """The buffer was asked for something its rules forbid (a caller's bug, or a bad checkpoint)."""
 
 

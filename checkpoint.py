@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from config import Config, mismatched_keys, to_dict
+from errors import HexrlError
 from runlog import LOGS, RunLog, run_directory
 
 CHECKPOINTS = "checkpoints"
@@ -42,8 +43,8 @@ MARKER = "COMPLETE"
 STEP_DIR = re.compile(r"^step_(\d+)$")
 
 
-class CheckpointError(ValueError):
-    pass
+class CheckpointError(HexrlError, ValueError):
+    """A checkpoint is missing, incomplete, or does not match this run."""
 
 
 # ---------------------------------------------------------------------------------------------- finding

@@ -21,12 +21,14 @@ from pathlib import Path
 import yaml
 
 from buffer import CONSUME_ORDERS
+from errors import HexrlError
 
 CONFIG_DIR = Path(__file__).resolve().parent / "exp" / "configs"
 DEFAULT_CONFIG = "cpu_demo"
 
 
-class ConfigError(ValueError):
+class ConfigError(HexrlError, ValueError):
+    same_on_every_rank = True
     pass
 
 

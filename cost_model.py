@@ -20,13 +20,17 @@ from pathlib import Path
 
 import yaml
 
+from errors import HexrlError
+
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = ROOT / "exp" / "models"
 LINK_LATENCY_S = 1e-5  # alpha of one collective or point-to-point message (HexGen uses 1e-6..1e-5)
 
 
-class SpecError(ValueError):
+class SpecError(HexrlError, ValueError):
     """A cluster, model or workload spec is malformed (names the file and the field)."""
+
+    same_on_every_rank = True
 
 
 # ----------------------------------------------------------------------------- cluster

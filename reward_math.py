@@ -39,6 +39,8 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from errors import HexrlError
+
 REPLIES = ("correct", "wrong", "parse_error")
 
 
@@ -111,6 +113,10 @@ def worker_main(memory_budget_bytes: int) -> None:
         protocol.write(reason + "\n")
 
 
+class RewardError(HexrlError, ValueError):
+    """A gold answer the scorer cannot use, or a math-verify worker that does not start."""
+
+
 class VerifierProcess:
     """One killable math-verify worker. States: starting -> ready (idle) <-> busy; killed on timeout."""
 
@@ -138,7 +144,7 @@ class VerifierProcess:
         if not self.ready and self._readable(0):
             msg = self.recv()
             if msg != "ready":
-                raise RuntimeError(
+                raise RewardError(
                     f"reward worker failed during startup (exit code {self.process.poll()}); "
                     "check that math-verify imports in a fresh interpreter"
                 )
@@ -150,7 +156,7 @@ class VerifierProcess:
         while not self.poll_ready():
             if time.monotonic() > deadline:
                 self.kill()
-                raise RuntimeError(f"reward worker did not start within {startup_timeout_s:.0f}s")
+                raise RewardError(f"reward worker did not start within {startup_timeout_s:.0f}s")
             self._readable(0.05)
 
     def send(self, answer: str, gold: str) -> None:
@@ -482,7 +488,7 @@ def _prepare(response: str, gold: str, limits: ScoreLimits) -> ScoreDetails | tu
             f"score expects (response: str, gold: str), got ({type(response).__name__}, {type(gold).__name__})"
         )
     if not gold.strip():
-        raise ValueError("gold answer is empty")
+        raise RewardError("gold answer is empty")
     if len(response) > limits.max_response_chars:
         return _details("parse_error", None)
     answer = extract_answer(response, limits)
@@ -495,11 +501,11 @@ def _prepare(response: str, gold: str, limits: ScoreLimits) -> ScoreDetails | tu
     if answer_number is not None and gold_number is not None:
         return _details("correct" if _numbers_equal(answer_number, gold_number) else "wrong", answer)
     if len(gold) > limits.max_answer_chars:
-        raise ValueError(f"gold answer is {len(gold)} chars, over max_answer_chars={limits.max_answer_chars}")
+        raise RewardError(f"gold answer is {len(gold)} chars, over max_answer_chars={limits.max_answer_chars}")
     if not 0 <= _brace_depth(answer) <= limits.max_brace_depth:
         return _details("parse_error", answer)
     if _brace_depth(gold) < 0:
-        raise ValueError(f"gold answer has unbalanced braces: {gold[:80]!r}")
+        raise RewardError(f"gold answer has unbalanced braces: {gold[:80]!r}")
     if answer == gold:  # identical strings are equivalent whatever they parse to
         return _details("correct", answer)
     cached = _cache.get((answer, gold))

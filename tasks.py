@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import datasets
 
 import reward_math
+from errors import HexrlError
 
 NAMES = ["Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
 ITEMS = ["apples", "stamps", "coins", "books", "shells", "cards", "pens", "beads", "marbles", "eggs"]
@@ -170,7 +171,7 @@ class FieldMap:
 
     def __post_init__(self) -> None:
         if self.answer_format not in ANSWER_FORMATS:
-            raise ValueError(f"answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
+            raise DataError(f"answer_format must be one of {ANSWER_FORMATS}, got {self.answer_format!r}")
 
 
 @dataclass(frozen=True)
@@ -200,8 +201,11 @@ PRESETS: dict[str, DatasetSpec] = {
 }
 
 
-class BadRowError(ValueError):
-    """A row lacks a usable question or answer (raised with on_bad_row='fail')."""
+class DataError(HexrlError, ValueError):
+    """A dataset cannot be loaded or used: a row lacks a usable question or answer (raised with
+    on_bad_row='fail'), a file or hub dataset is unreadable, a split does not exist, too few rows remain."""
+
+    same_on_every_rank = True
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -243,13 +247,13 @@ def _read_local(path: str, split: str) -> tuple[str, list[tuple[int, object]]]:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
         if not isinstance(data, list):
-            raise ValueError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
+            raise DataError(f"{path}: expected a JSON list of rows, got {type(data).__name__}")
         return path, list(enumerate(data, start=1))
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
         return path, list(enumerate(pq.read_table(path).to_pylist(), start=1))
-    raise ValueError(f"unsupported math dataset file {path}: expected one of {LOCAL_EXTENSIONS}")
+    raise DataError(f"unsupported math dataset file {path}: expected one of {LOCAL_EXTENSIONS}")
 
 
 @dataclass(frozen=True)
@@ -283,26 +287,26 @@ def _field(raw: dict, name: str) -> str | None:
 
 
 def _question_and_gold(raw: object, fields: FieldMap) -> tuple[str, str]:
-    """Raises BadRowError(problem) for an unusable row."""
+    """Raises DataError(problem) for an unusable row."""
     if isinstance(raw, _InvalidJson):
-        raise BadRowError(f"invalid JSON ({raw.error})")
+        raise DataError(f"invalid JSON ({raw.error})")
     if not isinstance(raw, dict):
-        raise BadRowError(f"row is a {type(raw).__name__}, not an object")
+        raise DataError(f"row is a {type(raw).__name__}, not an object")
     question, answer = _field(raw, fields.question), _field(raw, fields.answer)
     if question is None:
-        raise BadRowError(f"missing field {fields.question!r}")
+        raise DataError(f"missing field {fields.question!r}")
     if answer is None:
-        raise BadRowError(f"missing field {fields.answer!r}")
+        raise DataError(f"missing field {fields.answer!r}")
     if fields.answer_format == "gsm8k":
         if "####" not in answer:
-            raise BadRowError(f"field {fields.answer!r} has no '####' final-answer marker")
+            raise DataError(f"field {fields.answer!r} has no '####' final-answer marker")
         answer = answer.rsplit("####", 1)[1].strip().replace(",", "")
     elif fields.answer_format == "boxed":
         answer = reward_math.last_boxed(answer)
         if answer is None:
-            raise BadRowError(f"field {fields.answer!r} has no \\boxed{{}} final answer")
+            raise DataError(f"field {fields.answer!r} has no \\boxed{{}} final answer")
     if not answer:
-        raise BadRowError(f"field {fields.answer!r} has an empty final answer")
+        raise DataError(f"field {fields.answer!r} has an empty final answer")
     return question, answer
 
 
@@ -315,9 +319,9 @@ def _build(
             break
         try:
             question, answer = _question_and_gold(raw, fields)
-        except BadRowError as e:
+        except DataError as e:
             if on_bad_row == "fail":
-                raise BadRowError(f"{origin}: row {number}: {e}") from None
+                raise DataError(f"{origin}: row {number}: {e}") from None
             bad += 1
             continue
         prompt_ids.append(number - 1)
@@ -326,7 +330,7 @@ def _build(
     if bad:
         log.warning("%s: skipped %d of %d rows missing %r/%r", origin, bad, len(rows), fields.question, fields.answer)
     if not prompt_ids:
-        raise ValueError(
+        raise DataError(
             f"{origin}: no usable rows ({bad} bad of {len(rows)}); check the field mapping "
             f"question={fields.question!r} answer={fields.answer!r}"
         )
@@ -353,16 +357,16 @@ def load_math_dataset(
 
     `fields` overrides the preset's mapping (default for hub ids and files: question/answer, plain)."""
     if on_bad_row not in ("skip", "fail"):
-        raise ValueError(f"on_bad_row must be 'skip' or 'fail', got {on_bad_row!r}")
+        raise DataError(f"on_bad_row must be 'skip' or 'fail', got {on_bad_row!r}")
     if max_rows is not None and max_rows < 1:
-        raise ValueError(f"max_rows must be >= 1, got {max_rows}")
+        raise DataError(f"max_rows must be >= 1, got {max_rows}")
     if not isinstance(source, str) or not source:
-        raise ValueError(f"math dataset source must be a preset name, hub id or path, got {source!r}")
+        raise DataError(f"math dataset source must be a preset name, hub id or path, got {source!r}")
     spec = PRESETS.get(source.lower())
     if spec is not None:
         fields = fields or spec.fields
         if split not in spec.splits:
-            raise ValueError(f"{source} has splits {spec.splits}, not {split!r}")
+            raise DataError(f"{source} has splits {spec.splits}, not {split!r}")
         if spec.local_dir is not None and _hub_offline():
             origin, rows = _read_local(spec.local_dir, split)
             return _build(rows, fields, origin, on_bad_row, max_rows)
@@ -370,7 +374,7 @@ def load_math_dataset(
             rows = _read_hub(spec.hub_id, spec.config, split)
         except Exception as e:  # no network, no cache, hub outage: the vendored copy is the same data
             if spec.local_dir is None:
-                raise RuntimeError(
+                raise DataError(
                     f"cannot load {spec.hub_id} ({type(e).__name__}: {e}); download it into the "
                     "datasets cache or pass a local jsonl/parquet path"
                 ) from None
@@ -385,7 +389,7 @@ def load_math_dataset(
     try:
         rows = _read_hub(source, None, split)
     except Exception as e:
-        raise RuntimeError(
+        raise DataError(
             f"cannot load hub dataset {source!r} split {split!r} ({type(e).__name__}: {e}); "
             "if it is a local path, check that it exists"
         ) from None
@@ -423,7 +427,7 @@ def load_task_splits(data_cfg) -> tuple[list[dict], list[dict]]:
         return rows, []
     num_test = min(data_cfg.num_test, len(rows) - 1)
     if num_test < 1:
-        raise ValueError(f"{task}: {len(rows)} usable rows cannot be split into train and held-out sets")
+        raise DataError(f"{task}: {len(rows)} usable rows cannot be split into train and held-out sets")
     return rows[num_test:], rows[:num_test]
 
 
@@ -431,7 +435,7 @@ def chat_prompt(tokenizer, question: str, instruction: str = INSTRUCTION) -> str
     """The text the policy sees: the tokenizer's chat template when it has one, else a plain Q/A template.
     Either way the model is told to put its final answer in \\boxed{} (what reward_math extracts first)."""
     if not isinstance(question, str) or not question.strip():
-        raise ValueError(f"chat_prompt needs a non-empty question string, got {question!r}")
+        raise DataError(f"chat_prompt needs a non-empty question string, got {question!r}")
     content = f"{question.strip()}\n{instruction}" if instruction else question.strip()
     if tokenizer is not None and getattr(tokenizer, "chat_template", None):
         return tokenizer.apply_chat_template(

@@ -48,24 +48,29 @@ from checkpoint import (
     open_run,
     save_train_shard,
 )
-from config import Config, ConfigError, load_config, to_dict
+from config import Config, load_config, to_dict
+from errors import HexrlError
 from parallel.channel import Aborted, Channel, PeerTimeout
-from parallel.rankmap import PlanError, check_plan, default_plan, load_plan
-from parallel.weight_sync import WeightSender, WeightSyncError
+from parallel.rankmap import check_plan, default_plan, load_plan
+from parallel.weight_sync import WeightSender
 from runlog import RunLog
-from tasks import load_task
+from tasks import DataError, load_task
 
 
-class SetupError(RuntimeError):
-    pass
+class SetupError(HexrlError, RuntimeError):
+    """The launch cannot work: no torchrun, no GPU for a rank, a model path that does not load."""
+
+    same_on_every_rank = True
 
 
-class NonFiniteError(RuntimeError):
-    pass
+class NonFiniteError(HexrlError, RuntimeError):
+    """Too many non-finite steps in a row (train.max_nonfinite_steps)."""
 
 
-class RolloutRanksLost(RuntimeError):
+class RolloutRanksLost(HexrlError, RuntimeError):
     """The run finished without some rollout ranks; exit 3 so the launcher reclaims the stuck processes."""
+
+    exit_code = 3
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -592,7 +597,7 @@ def main(argv: list[str]) -> int:
     groups = build_groups(plan)  # collective: every rank, same order
     try:
         train_rows, test_rows = load_task(cfg.data, tok)
-    except (ValueError, OSError, RuntimeError) as e:  # bad rows (on_bad_row=fail), missing files, no rows
+    except (DataError, OSError) as e:  # bad rows (on_bad_row=fail), missing files, no rows
         raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]
 
@@ -645,27 +650,22 @@ def shutdown_cleanly(code: int) -> None:
     os._exit(code)
 
 
-# Errors every rank meets identically (config, rank map, model path, data): only rank 0 prints them.
-SAME_ON_EVERY_RANK = (ConfigError, PlanError, SetupError)
-CLEAR_ERRORS = (CheckpointError, NonFiniteError, PeerTimeout, WeightSyncError, ValueError, OSError)
-
-
 def exit_on_error(e: BaseException) -> None:
+    """One line naming the problem, then the error's exit code (2; 3 for lost rollout ranks)."""
     rank = os.environ.get("RANK", "0")
-    if isinstance(e, RolloutRanksLost):
-        print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-        os._exit(3)
-    if isinstance(e, SAME_ON_EVERY_RANK) and rank != "0":
+    if getattr(e, "same_on_every_rank", False) and rank != "0":
         time.sleep(5.0)  # rank 0 prints it; exiting first would make torchrun kill rank 0 mid-way
-    elif not isinstance(e, Aborted):
+    elif not isinstance(e, Aborted):  # the head has printed why it aborted the run
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
-    os._exit(2)
+    os._exit(getattr(e, "exit_code", 2))
 
 
 if __name__ == "__main__":
     code = 1
     try:
         code = main(sys.argv[1:])
-    except (Aborted, RolloutRanksLost, *SAME_ON_EVERY_RANK, *CLEAR_ERRORS) as e:
+    # every concept's own error, the head's stop signal, and what library argument checks and the OS raise on
+    # bad input (a trajectory the trainer cannot use, a file that cannot be read)
+    except (HexrlError, Aborted, ValueError, OSError) as e:
         exit_on_error(e)
     shutdown_cleanly(code)

@@ -18,12 +18,16 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from errors import HexrlError
+
 
 class Aborted(RuntimeError):
     """The train head ended the run (an `abort` message); it has printed why, so this rank exits quietly."""
 
 
-class PeerTimeout(RuntimeError):
+class PeerTimeout(HexrlError, RuntimeError):
+    """A peer sent nothing within the deadline of a wait."""
+
     def __init__(self, ranks: list[int], seconds: float, what: str):
         super().__init__(f"rank(s) {ranks} sent nothing for {seconds:.0f}s while waiting for {what}")
         self.ranks = ranks

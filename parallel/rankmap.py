@@ -14,9 +14,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from errors import HexrlError
 
-class PlanError(ValueError):
+
+class PlanError(HexrlError, ValueError):
     """The plan is unusable (unreadable, inconsistent, or infeasible); the message names the problem."""
+
+    same_on_every_rank = True
 
 
 def stage_layer_ranges(num_layers: int, pp: int) -> list[list[int]]:

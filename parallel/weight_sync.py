@@ -15,13 +15,14 @@ import time
 import torch
 import torch.distributed as dist
 
+from errors import HexrlError
 from parallel.channel import PeerTimeout, wait_work
 
 WEIGHT_TAG = 21
 
 
-class WeightSyncError(RuntimeError):
-    pass
+class WeightSyncError(HexrlError, RuntimeError):
+    """A weight version arrived corrupted, or its transfer could not finish."""
 
 
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import tasks
-from tasks import BadRowError, FieldMap, chat_prompt, load_math_dataset, load_task_splits
+from tasks import DataError, FieldMap, chat_prompt, load_math_dataset, load_task_splits
 
 torch.set_num_threads(1)
 GSM8K_DIR = os.path.join(os.path.dirname(__file__), "..", "data", "gsm8k")
@@ -59,7 +59,7 @@ def test_gsm8k_hub_failure_falls_back_to_vendored(monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="tasks"):
         ds = load_math_dataset("gsm8k", split="train", max_rows=10)
     assert len(ds) == 10 and "reading vendored" in caplog.text
-    with pytest.raises(RuntimeError, match="DeepScaleR-Preview-Dataset"):  # no vendored copy: a clear error
+    with pytest.raises(DataError, match="DeepScaleR-Preview-Dataset"):  # no vendored copy: a clear error
         load_math_dataset("deepscaler", split="train")
     with pytest.raises(ValueError, match="splits"):
         load_math_dataset("deepscaler", split="test")
@@ -150,13 +150,13 @@ def test_on_bad_row_skip_counts_and_keeps_ids(tmp_path, caplog):
 
 def test_on_bad_row_fail_names_file_row_and_field(tmp_path):
     path = write_jsonl(tmp_path / "bad.jsonl", BAD_ROWS)
-    with pytest.raises(BadRowError, match=f"{path}: row 2: missing field 'answer'"):
+    with pytest.raises(DataError, match=f"{path}: row 2: missing field 'answer'"):
         load_math_dataset(path, on_bad_row="fail")
     only_json_error = write_jsonl(tmp_path / "j.jsonl", [BAD_ROWS[0], BAD_ROWS[2]])
-    with pytest.raises(BadRowError, match="row 2: invalid JSON"):
+    with pytest.raises(DataError, match="row 2: invalid JSON"):
         load_math_dataset(only_json_error, on_bad_row="fail")
     no_box = write_jsonl(tmp_path / "nobox.jsonl", [{"problem": "P", "solution": "x = 3"}])
-    with pytest.raises(BadRowError, match="row 1: field 'solution' has no \\\\boxed"):
+    with pytest.raises(DataError, match="row 1: field 'solution' has no \\\\boxed"):
         load_math_dataset(no_box, fields=FieldMap("problem", "solution", "boxed"), on_bad_row="fail")
 
 

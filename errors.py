@@ -1,0 +1,16 @@
+"""What a clear error is: the base of every concept's own error type.
+
+Each concept raises one type of its own (ConfigError, PlanError, SpecError, DataError, StalenessError,
+CheckpointError, WeightSyncError, PeerTimeout, RewardError, and train.py's SetupError, NonFiniteError,
+RolloutRanksLost). The train script ends a run on any of them with one line `[rank R] error: ...` instead of a
+traceback, so a new concept's error is handled by deriving from HexrlError, not by editing a list there.
+"""
+
+from __future__ import annotations
+
+
+class HexrlError(Exception):
+    """A problem the message names (bad input, a lost peer, a broken invariant)."""
+
+    same_on_every_rank = False  # every rank meets it identically (config, plan, data): only rank 0 prints it
+    exit_code = 2
