@@ -154,7 +154,8 @@ def broadcast_json(obj, src: int, group) -> dict:
 
 # ---------------------------------------------------------------------------------------------- train head
 class TrainHead:
-    """Controller + train rank 0: admission, batching, training, weight sync, evaluation, checkpoints, logging."""
+    """Controller + train rank 0: a loop over its bookkeeping (below TrainHead) that talks to the rollout ranks
+    over the channel and to the train followers through train-group broadcasts."""
 
     def __init__(
         self,
@@ -171,44 +172,29 @@ class TrainHead:
     ):
         self.cfg, self.groups, self.trainer, self.log, self.device = cfg, groups, trainer, log, device
         self.channel, self.writer = channel, writer
-        self.rollout_ranks = list(groups.rollout_ranks)
-        self.lost_ranks: list[int] = []
         self.buffer = StalenessBuffer(
             cfg.train.prompts_per_step, cfg.staleness.max_staleness, consume_order=cfg.staleness.consume_order
         )
-        self.sender = WeightSender(cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s)
-        self.train_ids = [r["prompt_id"] for r in train_rows]
-        self.test_ids = [r["prompt_id"] for r in test_rows]
-        self.data_epoch, self.data_pos = 0, 0
-        self.nonfinite_in_a_row = 0
+        self.data = DataOrder([r["prompt_id"] for r in train_rows], cfg.data.seed)
+        self.nonfinite = NonFiniteGuard(cfg.train.max_nonfinite_steps)
         if resumed is not None:  # everything else starts afresh (counters, timings)
             self.buffer = StalenessBuffer.from_state_dict(resumed["buffer"])
-            self.data_epoch, self.data_pos = resumed["data_epoch"], resumed["data_pos"]
-            self.nonfinite_in_a_row = resumed["nonfinite_in_a_row"]
-        self.order = self._epoch_order(self.data_epoch)
-        self.outstanding = {r: 0 for r in self.rollout_ranks}  # groups granted and not finished, per rank
-        self.counters = {r: {} for r in self.rollout_ranks}  # latest counters reported by each rollout rank
-        self.ready_ranks: set[int] = set()  # rollout ranks that have said `ready`
-        self.weights_taken = {r: -1 for r in self.rollout_ranks}  # last weight version each rank acknowledged
-        self.pending_eval: dict[int, dict] = {}  # version -> {correct, total, expected, owed}
-        self.evaluated: set[int] = set()
-        self.idle_s = 0.0
+            self.data = DataOrder(self.data.prompt_ids, cfg.data.seed, resumed["data_epoch"], resumed["data_pos"])
+            self.nonfinite.in_a_row = resumed["nonfinite_in_a_row"]
+        self.pool = RolloutPool(groups.rollout_ranks)
+        self.admission = Admission(self.buffer, self.data, self.pool, cfg.rollout.max_queued_groups)
+        self.evals = EvalBook([r["prompt_id"] for r in test_rows])
+        self.acks = WeightAcks(groups.rollout_ranks)
+        self.metrics = StepMetrics()
+        self.sender = WeightSender(cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s)
         self.state_dict: dict | None = None  # the weights of the current version (fp32, CPU)
         self.in_collective = False  # an error there reaches every train rank itself
         self.last_command = time.monotonic()
         self.stopped = False
 
-    # -- data order: a seeded permutation per epoch; its position is what checkpoints save --------
-    def _epoch_order(self, epoch: int) -> list[int]:
-        g = torch.Generator().manual_seed(self.cfg.data.seed * 7919 + epoch)
-        return [self.train_ids[i] for i in torch.randperm(len(self.train_ids), generator=g).tolist()]
-
-    def next_prompt(self) -> int:
-        if self.data_pos == len(self.order):
-            self.data_epoch, self.data_pos = self.data_epoch + 1, 0
-            self.order = self._epoch_order(self.data_epoch)
-        self.data_pos += 1
-        return self.order[self.data_pos - 1]
+    @property
+    def rollout_ranks(self) -> list[int]:
+        return self.pool.live
 
     # -- messages ---------------------------------------------------------------------------------
     def command(self, kind: str, **payload) -> None:
@@ -217,51 +203,33 @@ class TrainHead:
         self.last_command = time.monotonic()
 
     def grant(self) -> None:
-        """Admit as many groups as the staleness bound allows, to the least-loaded rollout ranks."""
-        cap = self.cfg.rollout.max_queued_groups
-        grants: dict[int, list] = {}
-        while self.buffer.capacity() > 0:
-            rank = min(self.rollout_ranks, key=lambda r: self.outstanding[r])
-            if self.outstanding[rank] >= cap:
-                break
-            prompt_id = self.buffer.requeued[0].prompt_id if self.buffer.requeued else None
-            ticket = self.buffer.admit(prompt_id if prompt_id is not None else self.next_prompt(), rank)
-            self.outstanding[rank] += 1
-            grants.setdefault(rank, []).append([ticket.group_id, ticket.prompt_id])
-        for rank, gs in grants.items():
-            self.channel.send(rank, "grant", groups=gs)
+        for rank, groups in self.admission.grants().items():
+            self.channel.send(rank, "grant", groups=groups)
 
     def handle(self, src: int, msg: dict) -> None:
         kind = msg["kind"]
-        if src in self.lost_ranks:  # a dropped rank woke up: its work was re-queued already
+        if src in self.pool.lost:  # a dropped rank woke up: its work was re-queued already
             return
         if kind == "result":
-            trajs = [Trajectory.from_dict(t) for t in msg["trajectories"]]
-            self.buffer.complete(msg["group_id"], trajs)
-            self.outstanding[src] -= 1
-            self.counters[src] = msg["counters"]
+            self.buffer.complete(msg["group_id"], [Trajectory.from_dict(t) for t in msg["trajectories"]])
+            self.pool.finished(src)
         elif kind == "eval_result":
-            ev = self.pending_eval[msg["version"]]
-            ev["correct"] += sum(msg["correct"])
-            ev["total"] += len(msg["correct"])
-            ev["owed"][src] -= len(msg["correct"])
-            self._finish_eval(msg["version"])
+            self.log_evals(self.evals.record(msg["version"], src, msg["correct"]))
         elif kind == "weights_ok":
-            self.note_weights_taken(src, msg["version"])
-        elif kind in ("bye", "alive", "ready"):
-            self.counters[src] = msg["counters"]
-            if kind == "ready":
-                self.ready_ranks.add(src)
+            self.acks.taken(src, msg["version"])
+        elif kind == "ready":
+            self.pool.ready.add(src)
+        if "counters" in msg:
+            self.pool.report(src, msg["counters"])
 
     def pump(self, timeout_s: float) -> None:
         msgs = self.channel.poll(timeout_s=timeout_s)
         for src, msg in msgs:
             self.handle(src, msg)
         if not msgs and timeout_s > 0:
-            silent = self.channel.silent_peers(self.cfg.dist.rollout_timeout_s)
-            busy = [r for r in silent if r in self.rollout_ranks and (self.outstanding[r] > 0 or self._owes_eval(r))]
-            for rank in busy:
-                self.drop_rollout_rank(rank, f"silent for {self.cfg.dist.rollout_timeout_s:.0f}s")
+            timeout = self.cfg.dist.rollout_timeout_s
+            for rank in self.pool.stuck(self.channel.silent_peers(timeout), self.evals.owes):
+                self.drop_rollout_rank(rank, f"silent for {timeout:.0f}s")
         if time.monotonic() - self.last_command > self.cfg.dist.timeout_s / 4:
             self.command("wait")  # the other train ranks' broadcast must not time out
 
@@ -269,35 +237,24 @@ class TrainHead:
         """Rollout ranks load the model and warm up at their own pace (dist.timeout_s, like any collective);
         dist.rollout_timeout_s, the bound for a stuck rank, applies once they have said `ready`."""
         deadline = time.monotonic() + self.cfg.dist.timeout_s
-        while missing := [r for r in self.rollout_ranks if r not in self.ready_ranks]:
+        while missing := self.pool.not_ready():
             if time.monotonic() > deadline:
                 raise PeerTimeout(missing, self.cfg.dist.timeout_s, "rollout ranks to load the model (`ready`)")
             self.pump(timeout_s=0.5)  # owes nothing yet, so nobody is dropped for silence here
 
-    def rollout_total(self, key: str) -> float:
-        """A counter summed over the rollout ranks (their latest reports)."""
-        return sum(c.get(key, 0) for c in self.counters.values())
-
-    def _owes_eval(self, rank: int) -> bool:
-        return any(ev["owed"].get(rank, 0) > 0 for ev in self.pending_eval.values())
-
     def drop_rollout_rank(self, rank: int, why: str) -> None:
         """Continue without a stuck rollout rank: re-queue its groups, forget its eval share and weight sends."""
-        if len(self.rollout_ranks) == 1:
+        if len(self.pool.live) == 1:
             raise PeerTimeout([rank], self.cfg.dist.rollout_timeout_s, "rollout results (no rollout rank left)")
-        self.rollout_ranks.remove(rank)
-        self.lost_ranks.append(rank)
+        self.pool.drop(rank)
         self.channel.closed.add(rank)
         self.channel.send(rank, "abort", reason=f"dropped by the train head ({why})")  # read if it ever wakes
         requeued = self.buffer.requeue_rank(rank)
-        del self.outstanding[rank]
         self.sender.forget(rank)
-        for version, ev in list(self.pending_eval.items()):
-            ev["expected"] -= ev["owed"].pop(rank, 0)
-            self._finish_eval(version)
+        self.log_evals(self.evals.drop_rank(rank))
         print(
             f"[rank {dist.get_rank()}] warning: rollout rank {rank} {why} at step {self.buffer.version}; "
-            f"re-queued groups {requeued}; continuing with rollout ranks {self.rollout_ranks}",
+            f"re-queued groups {requeued}; continuing with rollout ranks {self.pool.live}",
             file=sys.stderr,
             flush=True,
         )
@@ -306,19 +263,17 @@ class TrainHead:
 
     # -- evaluation and weights -------------------------------------------------------------------
     def start_eval(self, version: int) -> None:
-        self.evaluated.add(version)
-        ids, n = self.test_ids, len(self.rollout_ranks)
-        owed = {rank: len(ids[j::n]) for j, rank in enumerate(self.rollout_ranks)}
-        self.pending_eval[version] = {"correct": 0, "total": 0, "expected": len(ids), "owed": owed}
-        for j, rank in enumerate(self.rollout_ranks):
-            self.channel.send(rank, "eval", version=version, prompt_ids=ids[j::n])
+        for rank, prompt_ids in self.evals.start(version, self.pool.live).items():
+            self.channel.send(rank, "eval", version=version, prompt_ids=prompt_ids)
+        self.log_evals(self.evals.finished())  # an empty test set finishes at once
 
-    def _finish_eval(self, version: int) -> None:
-        ev = self.pending_eval[version]
-        if ev["total"] == ev["expected"]:
-            if ev["total"]:
-                self.log.eval_result(version, ev["correct"] / ev["total"], ev["total"])
-            del self.pending_eval[version]
+    def log_evals(self, results: list[tuple[int, float, int]]) -> None:
+        for version, accuracy, total in results:
+            self.log.eval_result(version, accuracy, total)
+
+    def wait_evals(self) -> None:
+        while self.evals.pending:
+            self.pump(timeout_s=1.0)
 
     @contextlib.contextmanager
     def collective(self):
@@ -329,10 +284,6 @@ class TrainHead:
         yield
         self.in_collective = False
 
-    def wait_evals(self) -> None:
-        while self.pending_eval:
-            self.pump(timeout_s=1.0)
-
     def sync_weights(self, changed: bool = True) -> float:
         if changed or self.state_dict is None:
             with self.collective():
@@ -341,7 +292,7 @@ class TrainHead:
         self.await_weight_receipts(self.cfg.dist.rollout_timeout_s)
         self.sender.send(
             self.channel,
-            self.rollout_ranks,
+            self.pool.live,
             self.state_dict,
             self.buffer.version,
             self.device,
@@ -350,26 +301,15 @@ class TrainHead:
         self.buffer.weights_sent(self.buffer.version)  # only now may groups be admitted at this version
         return time.perf_counter() - t0
 
-    def note_weights_taken(self, rank: int, version: int) -> None:
-        if rank in self.weights_taken:
-            self.weights_taken[rank] = max(self.weights_taken[rank], version)
-
     def weights_not_taken(self) -> list[int]:
         """Ranks the last version was sent to that have not acknowledged it."""
-        return [
-            r
-            for r in self.sender.receivers_in_flight()
-            if self.weights_taken.get(r, -1) < self.sender.in_flight_version
-        ]
+        return self.acks.late(self.sender.receivers_in_flight(), self.sender.in_flight_version)
 
     def await_weight_receipts(self, timeout_s: float) -> None:
         """Every rank the previous version went to acknowledges it over the channel, or is dropped: never a
         timed-out wait on a gloo send, which would close the whole process group."""
         deadline = time.monotonic() + timeout_s
-        while True:
-            late = [r for r in self.weights_not_taken() if r in self.rollout_ranks]
-            if not late:
-                return
+        while late := [r for r in self.weights_not_taken() if r in self.pool.live]:
             if time.monotonic() > deadline:
                 for rank in late:
                     self.drop_rollout_rank(rank, "did not receive weights in time")
@@ -395,36 +335,12 @@ class TrainHead:
         else:
             stats = {"loss": float("nan"), "grad_norm": float("nan"), "trained_tokens": 0.0}
         updated = finite_inputs and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
-        train_s = time.perf_counter() - t0
         self.log.ledger(trajs, version, self.buffer.version, updated)
-        lags = [version - v for t in trajs for v in t.versions]
-        return {
-            **stats,
-            "train_s": train_s,
-            "nonfinite_skipped": int(not updated),
-            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
-            "train_accuracy": sum(t.correct for t in trajs) / len(trajs),
-            "staleness_max": max(lags, default=0),
-            "staleness_mean": sum(lags) / max(len(lags), 1),
-            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
-        }, updated
+        stats = {**stats, "train_s": time.perf_counter() - t0, "nonfinite_skipped": int(not updated)}
+        return {**stats, **StepMetrics.batch(trajs, version)}, updated
 
     def check_finite(self, updated: bool) -> None:
-        self.nonfinite_in_a_row = 0 if updated else self.nonfinite_in_a_row + 1
-        if not updated:
-            limit = self.cfg.train.max_nonfinite_steps
-            print(
-                f"[rank {dist.get_rank()}] warning: step {self.buffer.version} had a non-finite loss or input; "
-                f"update skipped ({self.nonfinite_in_a_row} in a row, limit {limit})",
-                file=sys.stderr,
-                flush=True,
-            )
-            if self.nonfinite_in_a_row >= max(limit, 1):
-                raise NonFiniteError(
-                    f"{self.nonfinite_in_a_row} non-finite steps in a row (up to step "
-                    f"{self.buffer.version}, train.max_nonfinite_steps={limit}); "
-                    "lower train.lr or check the data and rewards"
-                )
+        self.nonfinite.record(updated, self.buffer.version)
 
     # -- checkpoints --------------------------------------------------------------------------------
     def checkpoint(self) -> None:
@@ -440,12 +356,11 @@ class TrainHead:
             "config": to_dict(self.cfg),
             "version": version,
             "buffer": self.buffer.state_dict(),
-            "data_epoch": self.data_epoch,
-            "data_pos": self.data_pos,
-            "nonfinite_in_a_row": self.nonfinite_in_a_row,
+            **self.data.state_dict(),
+            "nonfinite_in_a_row": self.nonfinite.in_a_row,
             "wandb_id": self.log.wandb_id,
             "log_sizes": self.log.sizes(),
-            "lost_rollout_ranks": self.lost_ranks,
+            "lost_rollout_ranks": self.pool.lost,
         }
         self.writer.finish(tmp, version, self.state_dict, head_state)
 
@@ -458,40 +373,20 @@ class TrainHead:
             self.start_eval(start_version)  # (a resumed run redoes the eval its checkpoint preceded)
             self.wait_evals()
         self.grant()
-        t_start = last = time.monotonic()
-        last_counters = {}
+        self.metrics.start()
         while self.buffer.version < cfg.train.total_steps:
-            if cfg.train.max_train_seconds and time.monotonic() - t_start > cfg.train.max_train_seconds:
+            if cfg.train.max_train_seconds and self.metrics.elapsed_s() > cfg.train.max_train_seconds:
                 break
             t_wait = time.monotonic()
             while not self.buffer.ready():
                 self.pump(timeout_s=0.5)
                 self.grant()
-            self.idle_s += time.monotonic() - t_wait
+            self.metrics.trainer_idle(time.monotonic() - t_wait)
             batch = self.buffer.take()
             stats, updated = self.train_on(batch)
             sync_s = self.sync_weights(changed=updated)
             self.grant()  # capacity grew with the version
-            now = time.monotonic()
-            step_s, last = now - last, now
-            gen_tokens = self.rollout_total("generated_tokens")
-            roll_idle = [c["idle_s"] / max(c["elapsed_s"], 1e-9) for c in self.counters.values() if c]
-            stats.update(
-                step=self.buffer.version,
-                version=self.buffer.version,
-                step_s=step_s,
-                weight_sync_s=sync_s,
-                trained_tokens_per_s=stats["trained_tokens"] / step_s,
-                generated_tokens_per_s=(gen_tokens - last_counters.get("gen", 0)) / step_s,
-                rollout_idle_frac=sum(roll_idle) / max(len(roll_idle), 1),
-                trainer_idle_frac=self.idle_s / max(now - t_start, 1e-9),
-                reward_s=self.rollout_total("reward_s"),
-                rollout_prefill_s=self.rollout_total("prefill_s"),
-                rollout_prefill_tokens=self.rollout_total("prefill_tokens"),
-                elapsed_s=now - t_start,
-            )
-            last_counters["gen"] = gen_tokens
-            self.log.step(stats)
+            self.log.step(self.metrics.step(stats, self.buffer.version, sync_s, self.pool))
             self.check_finite(updated)
             v = self.buffer.version
             if (cfg.checkpoint.every and v % cfg.checkpoint.every == 0) or (
@@ -500,28 +395,28 @@ class TrainHead:
                 self.checkpoint()
             if cfg.logging.eval_every and v % cfg.logging.eval_every == 0 and v < cfg.train.total_steps:
                 self.start_eval(v)
-        if self.buffer.version not in self.evaluated:
+        if self.buffer.version not in self.evals.started:
             self.start_eval(self.buffer.version)
         self.wait_evals()
         self.shutdown()
-        if self.lost_ranks:
+        if self.pool.lost:
             raise RolloutRanksLost(
                 f"finished at step {self.buffer.version} without rollout rank(s) "
-                f"{self.lost_ranks} (stopped answering); exiting 3 so the launcher ends them"
+                f"{self.pool.lost} (stopped answering); exiting 3 so the launcher ends them"
             )
 
     def shutdown(self) -> None:
         self.command("stop")
         self.stopped = True
-        for rank in self.rollout_ranks:
+        for rank in self.pool.live:
             self.channel.send(rank, "stop")
         deadline = time.monotonic() + self.cfg.dist.timeout_s
-        while any(r not in self.channel.closed for r in self.rollout_ranks) and time.monotonic() < deadline:
+        while any(r not in self.channel.closed for r in self.pool.live) and time.monotonic() < deadline:
             for src, msg in self.channel.poll(timeout_s=0.5):
-                if msg["kind"] in ("result", "eval_result", "bye", "alive") and src in self.counters:
-                    self.counters[src] = msg.get("counters", self.counters[src])
-                elif msg["kind"] == "weights_ok":
-                    self.note_weights_taken(src, msg["version"])
+                if "counters" in msg:
+                    self.pool.report(src, msg["counters"])
+                if msg["kind"] == "weights_ok":
+                    self.acks.taken(src, msg["version"])
         for rank in self.weights_not_taken():
             self.sender.forget(rank)  # it never took the last version: do not wait on gloo for it
         self.sender.wait(self.cfg.dist.timeout_s)
@@ -530,7 +425,7 @@ class TrainHead:
         """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""
         if self.stopped:  # they have their `stop` already
             return
-        for rank in self.rollout_ranks:
+        for rank in self.pool.live:
             self.channel.send(rank, "abort", reason=reason)
         if not self.in_collective:
             try:
@@ -556,6 +451,244 @@ def run_train_follower(groups, trainer) -> None:
         elif kind == "checkpoint":
             save_train_shard(trainer, Path(cmd["dir"]), dist.get_rank())
             dist.barrier(group=groups.train_group)
+
+
+# ---------------------------------------------------------------------------------------------- the head's bookkeeping
+# Plain state the head loop drives: no messages, no collectives (tests/test_head.py checks each on its own).
+class DataOrder:
+    """Which training prompt comes next: a seeded permutation of the train set per epoch. (epoch, position) is
+    what checkpoints save, so a resumed run continues the same order."""
+
+    def __init__(self, prompt_ids: list[int], seed: int, epoch: int = 0, position: int = 0):
+        if not prompt_ids:
+            raise SetupError("the train set is empty: nothing to admit")
+        if not 0 <= position <= len(prompt_ids):
+            raise CheckpointError(f"data position {position} outside the train set of {len(prompt_ids)} prompts")
+        self.prompt_ids, self.seed = list(prompt_ids), seed
+        self.epoch, self.position = epoch, position
+        self.order = self._permutation(epoch)
+
+    def _permutation(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 7919 + epoch)
+        return [self.prompt_ids[i] for i in torch.randperm(len(self.prompt_ids), generator=g).tolist()]
+
+    def next(self) -> int:
+        if self.position == len(self.order):
+            self.epoch, self.position = self.epoch + 1, 0
+            self.order = self._permutation(self.epoch)
+        self.position += 1
+        return self.order[self.position - 1]
+
+    def state_dict(self) -> dict:
+        return {"data_epoch": self.epoch, "data_pos": self.position}
+
+
+class RolloutPool:
+    """The rollout ranks as the head sees them: live or lost, ready or still loading, how many granted groups
+    each has not finished, and the counters each reported last."""
+
+    def __init__(self, ranks: list[int]):
+        self.live = list(ranks)
+        self.lost: list[int] = []
+        self.ready: set[int] = set()
+        self.outstanding = {r: 0 for r in ranks}
+        self.counters: dict[int, dict] = {r: {} for r in ranks}
+
+    def least_loaded(self, max_queued: int) -> int | None:
+        """The live rank with the fewest unfinished groups, if it has fewer than `max_queued`."""
+        rank = min(self.live, key=lambda r: self.outstanding[r])
+        return rank if self.outstanding[rank] < max_queued else None
+
+    def granted(self, rank: int) -> None:
+        self.outstanding[rank] += 1
+
+    def finished(self, rank: int) -> None:
+        self.outstanding[rank] -= 1
+
+    def report(self, rank: int, counters: dict) -> None:
+        if rank in self.counters:
+            self.counters[rank] = counters
+
+    def not_ready(self) -> list[int]:
+        return [r for r in self.live if r not in self.ready]
+
+    def stuck(self, silent: list[int], owes_eval) -> list[int]:
+        """Silent live ranks that owe work (groups, or answers to an evaluation: `owes_eval(rank)`); a silent
+        rank that owes nothing is just idle."""
+        return [r for r in silent if r in self.live and (self.outstanding[r] > 0 or owes_eval(r))]
+
+    def drop(self, rank: int) -> None:
+        self.live.remove(rank)
+        self.lost.append(rank)
+        del self.outstanding[rank]
+
+    def total(self, key: str) -> float:
+        """A counter summed over the rollout ranks (their latest reports, lost ranks included)."""
+        return sum(c.get(key, 0) for c in self.counters.values())
+
+    def idle_fraction(self) -> float:
+        """Mean over the ranks that reported of the fraction of their time spent without work."""
+        fracs = [c["idle_s"] / max(c["elapsed_s"], 1e-9) for c in self.counters.values() if c]
+        return sum(fracs) / max(len(fracs), 1)
+
+
+class Admission:
+    """Which prompt goes to which rollout rank: re-queued groups first, then the data order, each to the
+    least-loaded live rank (at most `max_queued` unfinished groups each), as far as the staleness bound allows."""
+
+    def __init__(self, buffer: StalenessBuffer, data: DataOrder, pool: RolloutPool, max_queued: int):
+        self.buffer, self.data, self.pool, self.max_queued = buffer, data, pool, max_queued
+
+    def grants(self) -> dict[int, list[list[int]]]:
+        """-> {rank: [[group_id, prompt_id], ...]}, already admitted to the buffer."""
+        grants: dict[int, list] = {}
+        while self.buffer.capacity() > 0:
+            rank = self.pool.least_loaded(self.max_queued)
+            if rank is None:
+                break
+            prompt_id = self.buffer.requeued[0].prompt_id if self.buffer.requeued else self.data.next()
+            ticket = self.buffer.admit(prompt_id, rank)
+            self.pool.granted(rank)
+            grants.setdefault(rank, []).append([ticket.group_id, ticket.prompt_id])
+        return grants
+
+
+class EvalBook:
+    """Greedy evaluations in flight: the held-out set split over the live ranks per version, what each rank
+    still owes, and the accuracy once every answer (of ranks still live) is in."""
+
+    def __init__(self, test_ids: list[int]):
+        self.test_ids = list(test_ids)
+        self.pending: dict[int, dict] = {}  # version -> {correct, total, expected, owed: {rank: answers}}
+        self.started: set[int] = set()
+
+    def start(self, version: int, ranks: list[int]) -> dict[int, list[int]]:
+        """-> {rank: prompt_ids} to evaluate at `version`."""
+        shares = {rank: self.test_ids[j :: len(ranks)] for j, rank in enumerate(ranks)}
+        owed = {rank: len(ids) for rank, ids in shares.items()}
+        self.pending[version] = {"correct": 0, "total": 0, "expected": len(self.test_ids), "owed": owed}
+        self.started.add(version)
+        return shares
+
+    def record(self, version: int, rank: int, correct: list) -> list[tuple[int, float, int]]:
+        if version not in self.pending or self.pending[version]["owed"].get(rank, 0) < len(correct):
+            raise HexrlError(
+                f"rollout rank {rank} sent {len(correct)} eval answers for version {version} it did not owe"
+            )
+        ev = self.pending[version]
+        ev["correct"] += sum(correct)
+        ev["total"] += len(correct)
+        ev["owed"][rank] -= len(correct)
+        return self.finished()
+
+    def drop_rank(self, rank: int) -> list[tuple[int, float, int]]:
+        """A lost rank's unanswered share is no longer expected."""
+        for ev in self.pending.values():
+            ev["expected"] -= ev["owed"].pop(rank, 0)
+        return self.finished()
+
+    def owes(self, rank: int) -> bool:
+        return any(ev["owed"].get(rank, 0) > 0 for ev in self.pending.values())
+
+    def finished(self) -> list[tuple[int, float, int]]:
+        """Pops complete evaluations -> [(version, accuracy, answers)]; one with no answers at all is dropped."""
+        done = [v for v, ev in self.pending.items() if ev["total"] == ev["expected"]]
+        out = []
+        for v in done:
+            ev = self.pending.pop(v)
+            if ev["total"]:
+                out.append((v, ev["correct"] / ev["total"], ev["total"]))
+        return out
+
+
+class WeightAcks:
+    """The newest weight version each rollout rank has acknowledged (`weights_ok`)."""
+
+    def __init__(self, ranks: list[int]):
+        self.version = {r: -1 for r in ranks}
+
+    def taken(self, rank: int, version: int) -> None:
+        if rank in self.version:
+            self.version[rank] = max(self.version[rank], version)
+
+    def late(self, receivers: list[int], version: int) -> list[int]:
+        """Receivers of `version` that have not acknowledged it."""
+        return [r for r in receivers if self.version.get(r, -1) < version]
+
+
+class NonFiniteGuard:
+    """Skipped non-finite steps: a warning each, NonFiniteError after `limit` in a row."""
+
+    def __init__(self, limit: int):
+        self.limit, self.in_a_row = limit, 0
+
+    def record(self, updated: bool, step: int) -> None:
+        self.in_a_row = 0 if updated else self.in_a_row + 1
+        if updated:
+            return
+        print(
+            f"[rank {dist.get_rank() if dist.is_initialized() else 0}] warning: step {step} had a non-finite loss "
+            f"or input; update skipped ({self.in_a_row} in a row, limit {self.limit})",
+            file=sys.stderr,
+            flush=True,
+        )
+        if self.in_a_row >= max(self.limit, 1):
+            raise NonFiniteError(
+                f"{self.in_a_row} non-finite steps in a row (up to step {step}, "
+                f"train.max_nonfinite_steps={self.limit}); lower train.lr or check the data and rewards"
+            )
+
+
+class StepMetrics:
+    """What each step logs beyond the trainer's own numbers: the batch's rewards and staleness, the step's
+    rates, and how idle the trainer and the rollout ranks were."""
+
+    def __init__(self):
+        self.start()
+
+    def start(self) -> None:
+        self.t_start = self.t_last = time.monotonic()
+        self.idle_s = 0.0
+        self.generated_tokens = 0.0
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.t_start
+
+    def trainer_idle(self, seconds: float) -> None:
+        self.idle_s += seconds
+
+    @staticmethod
+    def batch(trajs: list[Trajectory], version: int) -> dict:
+        """Statistics of a batch trained at `version`."""
+        lags = [version - v for t in trajs for v in t.versions]
+        return {
+            "reward_mean": sum(t.reward for t in trajs) / len(trajs),
+            "train_accuracy": sum(t.correct for t in trajs) / len(trajs),
+            "staleness_max": max(lags, default=0),
+            "staleness_mean": sum(lags) / max(len(lags), 1),
+            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+        }
+
+    def step(self, stats: dict, version: int, weight_sync_s: float, pool: RolloutPool) -> dict:
+        now = time.monotonic()
+        step_s, self.t_last = now - self.t_last, now
+        generated = pool.total("generated_tokens")
+        rates = {
+            "step": version,
+            "version": version,
+            "step_s": step_s,
+            "weight_sync_s": weight_sync_s,
+            "trained_tokens_per_s": stats["trained_tokens"] / step_s,
+            "generated_tokens_per_s": (generated - self.generated_tokens) / step_s,
+            "rollout_idle_frac": pool.idle_fraction(),
+            "trainer_idle_frac": self.idle_s / max(now - self.t_start, 1e-9),
+            "reward_s": pool.total("reward_s"),
+            "rollout_prefill_s": pool.total("prefill_s"),
+            "rollout_prefill_tokens": pool.total("prefill_tokens"),
+            "elapsed_s": now - self.t_start,
+        }
+        self.generated_tokens = generated
+        return {**stats, **rates}
 
 
 # ---------------------------------------------------------------------------------------------- resume

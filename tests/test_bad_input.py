@@ -301,7 +301,7 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     stats, updated = head.train_on(batch(trajs))
     assert updated and math.isfinite(stats["loss"])
     head.check_finite(updated)
-    assert head.nonfinite_in_a_row == 0
+    assert head.nonfinite.in_a_row == 0
     assert any(not torch.equal(p, before[n]) for n, p in trainer.params.items())
     log.close()
     ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]

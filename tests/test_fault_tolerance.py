@@ -300,7 +300,7 @@ def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(wo
                 ],
             },
         )
-    head.weights_taken[1] = 0  # rank 1 acknowledged version 0; rank 2 is stuck
+    head.acks.taken(1, 0)  # rank 1 acknowledged version 0; rank 2 is stuck
     head.buffer.take()  # version 1
     sent_before = len(channel.sent)
 
@@ -350,7 +350,7 @@ def test_slow_start_is_not_a_stuck_rank(tmp_path):
     channel = ScriptedChannel([1, 2], [(0.1, 1, ready), (1.5, 2, ready)])  # rank 2: 5x rollout_timeout_s
     head = make_head(tmp_path, channel, "dist.rollout_timeout_s=0.3", "dist.timeout_s=30")
     head.await_ready()
-    assert head.rollout_ranks == [1, 2] and head.ready_ranks == {1, 2}
+    assert head.rollout_ranks == [1, 2] and head.pool.ready == {1, 2}
     assert not [m for m in channel.sent if m[1] == "abort"], channel.sent
 
 
