@@ -44,6 +44,17 @@ recompute cost, but later tokens attend to K/V computed by the old weights, so t
 not exactly the new policy's (the trainer's recomputed/proximal log-probs must absorb the gap).
 Each generated token carries the policy version that sampled it.
 
+Tensor parallelism (`tp_group` of k ranks): decode reads every weight and the whole KV cache each step, so k
+devices that each hold 1/k of them decode a model (or a batch) one device cannot hold, and each step reads 1/k as
+much per device. Sharding follows the trainer's rules (parallel/tensor_parallel.py), so the full HF tensors the
+weight sync sends are sliced the same way: q/k/v and gate/up by rows (whole heads, contiguous: a rank's query
+heads use exactly its own KV heads, the n_kv_heads/k its cache holds), o_proj and down_proj by columns, embedding
+and LM head by vocabulary rows. A layer costs two all-reduces (o_proj's and down_proj's outputs, before the
+residual add; their biases added once, after), the embedding one and the LM head one all-gather into the full
+fp32 logits. Collectives give every rank the same result, so ranks given the same calls stay in lockstep and
+sample the same tokens with no further communication. k must divide the head, KV-head, MLP and vocabulary sizes
+(KV heads are never replicated), and the decode step is not compiled under TP (its collectives would sit in it).
+
 The sampler: one token per row from fp32 logits, reproducible per request. Log-prob convention (the
 trainer uses the same): logprob = log_softmax(logits / temperature) over the full vocabulary in fp32,
 i.e. after temperature and BEFORE top-k/top-p truncation; for greedy (temperature 0) it is
@@ -63,10 +74,13 @@ from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from buffer import Trajectory
 from parallel.channel import Aborted, Channel, PeerTimeout
+from parallel.replica import ReplicaLink
+from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
 from parallel.weight_sync import receive_weights
 from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
 
@@ -193,18 +207,39 @@ class GroupScorer:
 
 
 class RolloutWorker:
+    """One rank of a rollout replica. A TP replica's leader runs this loop as a TP-1 rank does (it alone talks to
+    the head and scores); its followers run the same loop on what the leader shares each turn (parallel/replica.py)
+    and make the same generator calls, so the sharded generator's collectives pair up."""
+
     def __init__(
-        self, cfg, model, tokenizer, train_rows: list[dict], test_rows: list[dict], head: int, device: torch.device
+        self,
+        cfg,
+        model,
+        tokenizer,
+        train_rows: list[dict],
+        test_rows: list[dict],
+        head: int,
+        device: torch.device,
+        replica: ReplicaLink | None = None,
     ):
         self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
+        self.replica = replica
+        self.is_leader = replica is None or replica.is_leader
         r = cfg.rollout
         # math-verify's imports (in the scorer's worker process) overlap the generator's set-up
-        self.scorer = GroupScorer(
-            r.samples_per_prompt, r.reward_correct, r.reward_wrong, r.max_pending_scores, on_wait=self.heartbeat
+        self.scorer = (
+            GroupScorer(
+                r.samples_per_prompt, r.reward_correct, r.reward_wrong, r.max_pending_scores, on_wait=self.heartbeat
+            )
+            if self.is_leader
+            else None
         )
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
-        self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn)
+        tp = 1 if replica is None else len(replica.ranks)
+        self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn, tp=tp)
+        if replica is not None:
+            self.gpu_options["tp_group"] = replica.group
         self.gen = Generator(
             model,
             max_batch_size=cfg.rollout.max_batch_size,
@@ -213,7 +248,7 @@ class RolloutWorker:
             **self.gpu_options,
         )
         self.eval_gen: Generator | None = None
-        self.channel = Channel([head])
+        self.channel = Channel([head]) if self.is_leader else None
         self.t_start = time.monotonic()
         self.idle_s = 0.0
         self.generated_tokens = 0
@@ -221,11 +256,12 @@ class RolloutWorker:
         self.last_sent = time.monotonic()
 
     def send(self, kind: str, **payload) -> None:
-        self.channel.send(self.head, kind, **payload)
-        self.last_sent = time.monotonic()
+        if self.is_leader:  # followers speak to no one
+            self.channel.send(self.head, kind, **payload)
+            self.last_sent = time.monotonic()
 
     def heartbeat(self) -> None:
-        if time.monotonic() - self.last_sent > self.heartbeat_s:
+        if self.is_leader and time.monotonic() - self.last_sent > self.heartbeat_s:
             self.send("alive", counters=self.counters())
 
     def prompt_ids(self, split: str, prompt_id: int) -> list[int]:
@@ -256,7 +292,8 @@ class RolloutWorker:
     def on_grant(self, msg: dict) -> None:
         G = self.cfg.rollout.samples_per_prompt
         for group_id, prompt_id in msg["groups"]:
-            self.scorer.open(group_id, prompt_id)
+            if self.scorer is not None:
+                self.scorer.open(group_id, prompt_id)
             prompt = self.prompt_ids("train", prompt_id)
             for s in range(G):
                 self.gen.add_request(
@@ -264,7 +301,11 @@ class RolloutWorker:
                 )
 
     def on_weights(self, msg: dict) -> None:
-        state_dict = receive_weights(msg, self.head, self.device, self.cfg.dist.verify_weights)
+        state_dict = (
+            receive_weights(msg, self.head, self.device, self.cfg.dist.verify_weights) if self.is_leader else None
+        )
+        if self.replica is not None:  # only the leader receives from the head; it hands the version on
+            state_dict = self.replica.share_weights(state_dict)
         self.gen.update_weights(state_dict, msg["version"])
         self.send("weights_ok", version=msg["version"])  # the head may now reuse the send buffers
 
@@ -288,8 +329,11 @@ class RolloutWorker:
         done = {}
         while self.eval_gen.num_unfinished():
             done.update((o.request_id, o) for o in self.eval_gen.step())
-            self.send_results(self.scorer.collect())  # training groups still score meanwhile
+            if self.scorer is not None:
+                self.send_results(self.scorer.collect())  # training groups still score meanwhile
             self.heartbeat()
+        if self.scorer is None:  # a follower: the leader scores and answers
+            return
         outs = [done[j] for j in range(len(ids))]
         scores = self.scorer.score_all(
             [
@@ -302,6 +346,8 @@ class RolloutWorker:
 
     # -- finished sequences --------------------------------------------------------------------------
     def on_finished(self, out) -> None:
+        if self.scorer is None:
+            return
         group_id, _ = out.request_id
         row = self.rows["train"][self.scorer.groups[group_id]["prompt_id"]]
         self.generated_tokens += len(out.token_ids)
@@ -317,8 +363,8 @@ class RolloutWorker:
         return {
             "elapsed_s": time.monotonic() - self.t_start,
             "idle_s": self.idle_s,
-            "reward_s": self.scorer.blocked_s,
-            "reward_service_s": self.scorer.pool.reward_s,
+            "reward_s": self.scorer.blocked_s if self.scorer else 0.0,
+            "reward_service_s": self.scorer.pool.reward_s if self.scorer else 0.0,
             "generated_tokens": self.generated_tokens,
             "version": self.gen.version,
             "prefill_s": self.gen.stats.prefill_seconds,
@@ -330,23 +376,38 @@ class RolloutWorker:
         try:
             self.loop()
         finally:
-            self.scorer.close()
+            if self.scorer is not None:
+                self.scorer.close()
 
-    def loop(self) -> None:
-        handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
-        self.scorer.pool.wait_ready()  # a first slow-path score must not wait for math-verify's imports
-        self.send("ready", counters=self.counters())
-        while True:
-            idle = self.gen.num_unfinished() == 0 and not self.scorer.pending  # nothing to do until the head sends work
+    def receive(self) -> list[tuple[int, dict]]:
+        """This turn's messages from the head: polled by the leader, then shared with the replica's followers."""
+        msgs = []
+        if self.is_leader:
+            idle = self.gen.num_unfinished() == 0 and not self.scorer.pending  # nothing to do until the head sends
             t0 = time.monotonic()
             msgs = self.channel.poll(timeout_s=1.0 if idle else 0.0)
             if idle:
                 self.idle_s += time.monotonic() - t0
                 if not msgs and self.channel.silent_peers(self.cfg.dist.timeout_s):
                     raise PeerTimeout([self.head], self.cfg.dist.timeout_s, "work from the train head")
+        if self.replica is not None:
+            try:
+                msgs = self.replica.share(msgs)
+            except RuntimeError as e:  # a replica peer is gone: the head drops the replica
+                raise Aborted(f"rollout replica {self.replica.ranks} lost a rank ({str(e).splitlines()[0]})") from None
+        return msgs
+
+    def loop(self) -> None:
+        handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
+        if self.scorer is not None:
+            self.scorer.pool.wait_ready()  # a first slow-path score must not wait for math-verify's imports
+        self.send("ready", counters=self.counters())
+        while True:
+            msgs = self.receive()
             for _, msg in msgs:
                 if msg["kind"] == "stop":
-                    self.send_results(self.scorer.drain())  # groups decoded before the stop still reach the head
+                    if self.scorer is not None:  # groups decoded before the stop still reach the head
+                        self.send_results(self.scorer.drain())
                     self.send("bye", counters=self.counters())
                     return
                 if msg["kind"] == "abort":
@@ -355,8 +416,9 @@ class RolloutWorker:
             if self.gen.num_unfinished():
                 for out in self.gen.step():
                     self.on_finished(out)
-                self.send_results(self.scorer.collect())
-            elif self.scorer.pending:  # only scores left: wait for them, briefly, then poll the head
+                if self.scorer is not None:
+                    self.send_results(self.scorer.collect())
+            elif self.scorer is not None and self.scorer.pending:  # only scores left: wait briefly, then poll
                 self.send_results(self.scorer.collect(wait_s=0.05))
             self.heartbeat()
 
@@ -548,14 +610,15 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024  # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
 
 
-def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: str = "never") -> dict:
+def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: str = "never", tp: int = 1) -> dict:
     """Generator keyword arguments from "auto" | "always" | "never" (not on/off: YAML reads those as booleans).
     auto compiles the decode step into CUDA graphs on a GPU (launch-bound eager) but not on CPU (the static step
-    is slower there), and uses flash-attn on a GPU when installed (opt-in: untested). Numbers: exp/GENERATOR.md."""
+    is slower there) nor under tensor parallelism (tp > 1: the step's collectives are not captured), and uses
+    flash-attn on a GPU when installed (opt-in: untested). Numbers: exp/GENERATOR.md."""
     on_gpu = device.type == "cuda"
     flash_ok = on_gpu and flash_attn_with_kvcache is not None
     return dict(
-        compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu,
+        compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu and tp == 1,
         use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok,
     )
 
@@ -645,7 +708,12 @@ class Generator:
     """Continuous-batching generator; see the module docstring for the protocol and conventions.
 
     It fuses each layer's q/k/v and gate/up projections (their parameters become views of the fused
-    matrices): move the model to its device and dtype before building the Generator, not after."""
+    matrices): move the model to its device and dtype before building the Generator, not after.
+
+    tp_group (a torch.distributed group of k > 1 ranks): this rank runs shard r of the model, tensor parallel
+    (see the module docstring). The HF model's weights are sliced in place, once (the model is marked, so a
+    second Generator on it, e.g. for evaluation, reuses the shard); every rank of the group must make the same
+    calls in the same order, and then gets the same outputs."""
 
     def __init__(
         self,
@@ -658,6 +726,7 @@ class Generator:
         use_flash_attn: bool = False,
         max_prefill_tokens: int = 16384,
         weight_layout: str = "auto",
+        tp_group=None,
     ):
         config = model.config
         model_type = getattr(config, "model_type", None)
@@ -671,6 +740,31 @@ class Generator:
         self.device, self.dtype = param.device, param.dtype
         if use_flash_attn and (flash_attn_with_kvcache is None or self.device.type != "cuda"):
             raise ValueError("use_flash_attn=True needs the flash_attn package and a CUDA model")
+        self.tp_group = tp_group
+        self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
+        if self.tp_rank < 0:
+            raise ValueError("tp_group: this process is not a member of the group")
+        if self.tp > 1:
+            check_tp_divides(config, self.tp)
+            if compile_decode:
+                raise ValueError(
+                    f"compile_decode=True is not supported with tensor parallelism (tp={self.tp}): the decode step's "
+                    "collectives are not captured by torch.compile / CUDA graphs; use compile_decode=False"
+                )
+            if getattr(model.lm_head, "bias", None) is not None:
+                raise ValueError("tensor parallelism: an LM head with a bias is not supported")
+        shard = getattr(model, "_generator_tp_shard", None)  # (tp_rank, tp, shards) left by a Generator before
+        if shard is None and self.tp > 1:
+            shard = (self.tp_rank, self.tp, self._shard_model(model))
+            model._generator_tp_shard = shard
+        if shard is not None and shard[:2] != (self.tp_rank, self.tp):
+            raise ValueError(
+                f"the model holds TP shard {shard[0]} of {shard[1]} (sliced by an earlier Generator); "
+                f"this Generator is rank {self.tp_rank} of tp={self.tp}: pass the same tp_group"
+            )
+        # name -> (split dim, full HF shape) of every parameter held as a TP slice (empty without TP)
+        self.shards: dict[str, tuple[int, tuple[int, ...]]] = {} if shard is None else shard[2]
 
         self.model = model.eval()
         base = model.model
@@ -678,10 +772,12 @@ class Generator:
         self.rotary, self.lm_head = base.rotary_emb, model.lm_head
         attn = self.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.n_heads = config.num_attention_heads
-        self.n_kv_heads = config.num_key_value_heads
+        self.n_heads = config.num_attention_heads // self.tp  # this rank's heads (all of them without TP)
+        self.n_kv_heads = config.num_key_value_heads // self.tp
         self.scale = attn.scaling
-        self.vocab_size = config.vocab_size
+        self.vocab_size = config.vocab_size  # the full vocabulary: logits are gathered before sampling
+        self.local_vocab = config.vocab_size // self.tp
+        self.vocab_start = self.tp_rank * self.local_vocab  # this rank's rows of embed_tokens and lm_head
         self.windows = layer_windows(config, len(self.layers))
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
@@ -752,6 +848,50 @@ class Generator:
                         torch._dynamo.mark_static_address(t)
             self._decode_forward = torch.compile(self._forward_eager, mode=mode, dynamic=False)
 
+    def _shard_model(self, model) -> dict[str, tuple[int, tuple[int, ...]]]:
+        """Replace each split parameter by this rank's slice, by the trainer's rules (parallel/tensor_parallel.py:
+        q/k/v, gate/up, embedding and LM head by rows, o_proj and down_proj by columns); returns name ->
+        (dim, full shape). A tied embedding is one Parameter under two names: sliced once."""
+        params = dict(model.named_parameters(remove_duplicate=False))
+        shards = {n: (shard_dim(n), tuple(p.shape)) for n, p in params.items() if shard_dim(n) is not None}
+        sliced = set()
+        with torch.no_grad():
+            for name, (dim, _) in shards.items():
+                p = params[name]
+                if id(p) not in sliced:
+                    sliced.add(id(p))
+                    local = slice_shard(p.detach(), dim, self.tp_rank, self.tp)
+                    p.data = local.clone(memory_format=torch.contiguous_format)  # frees the full tensor
+        for module in model.modules():  # fuse_linears reads out_features
+            if isinstance(module, torch.nn.Linear):
+                module.out_features, module.in_features = module.weight.shape
+            elif isinstance(module, torch.nn.Embedding):
+                module.num_embeddings = module.weight.shape[0]
+        return shards
+
+    def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.tp_group)
+        return x
+
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """Embedding rows of ids; under TP each rank looks up the ids in its vocabulary rows (zeros for the rest)
+        and the sum over ranks is the full lookup (exact: one nonzero term)."""
+        if self.tp == 1:
+            return self.embed(ids)
+        local = ids - self.vocab_start
+        outside = (local < 0) | (local >= self.local_vocab)
+        x = F.embedding(local.masked_fill(outside, 0), self.embed.weight)
+        return self._all_reduce(x.masked_fill_(outside.unsqueeze(-1), 0.0))
+
+    def _row_parallel(self, x: torch.Tensor, weight_bias: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+        """o_proj / down_proj. Under TP each rank holds a slice of the input features: partial products are
+        summed over the group, then the (replicated) bias is added once."""
+        if self.tp == 1:
+            return F.linear(x, *weight_bias)
+        weight, bias = weight_bias
+        out = self._all_reduce(F.linear(x, weight))
+        return out if bias is None else out + bias
+
     # ------------------------------------------------------------------ the transformer, our way
 
     def _qkv(self, i: int, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
@@ -779,9 +919,9 @@ class Generator:
     def _finish_layer(self, i: int, x: torch.Tensor, attn_out: torch.Tensor) -> torch.Tensor:
         """o_proj, residual, MLP, residual; attn_out [rows, L, heads * D]."""
         layer = self.layers[i]
-        x = x + F.linear(attn_out, *self.o_proj[i])
+        x = x + self._row_parallel(attn_out, self.o_proj[i])
         gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
-        return x + F.linear(layer.mlp.act_fn(gate).mul_(up), *self.down_proj[i])
+        return x + self._row_parallel(layer.mlp.act_fn(gate).mul_(up), self.down_proj[i])
 
     def _plan_prefill(self, reqs: list[_Request]) -> list[_PrefillChunk]:
         """Decide how each request's K/V of tokens[:-1] get into its slot; returns the chunks to compute.
@@ -869,7 +1009,7 @@ class Generator:
             rows_pos = torch.cat([positions, self.cache_positions[:length].repeat(n)])
             write_rows = torch.cat([write_rows, chunk.write_rows])
             read_rows = torch.cat([torch.arange(b * kv, device=self.device), chunk.read_rows + b * kv])
-        x = self.embed(tokens.unsqueeze(1))  # [rows, 1, H]
+        x = self._embed(tokens.unsqueeze(1))  # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
         masks = (
             {}
@@ -948,14 +1088,21 @@ class Generator:
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
         """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows: as one
         [B, H] x [H, V] GEMM it ran at half the speed (V = 16384, MKL, 1 thread: 28 ms vs 14 ms in blocks of
-        1024). On GPU it is one GEMM."""
+        1024). On GPU it is one GEMM. Under TP each rank computes its [B, V/k] and all of them are gathered, so
+        every rank samples the same tokens from the same logits."""
         w, b = self.lm_head.weight.detach(), self.lm_head.bias
         if self.device.type != "cpu" or w.shape[0] <= 4 * LM_HEAD_BLOCK:
-            return F.linear(h, w, b).float()
-        out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)
-        for i in range(0, w.shape[0], LM_HEAD_BLOCK):
-            torch.matmul(h, w[i : i + LM_HEAD_BLOCK].t(), out=out[:, i : i + LM_HEAD_BLOCK])
-        return (out if b is None else out + b).float()
+            logits = F.linear(h, w, b).float()
+        else:
+            out = torch.empty(h.shape[0], w.shape[0], dtype=h.dtype)
+            for i in range(0, w.shape[0], LM_HEAD_BLOCK):
+                torch.matmul(h, w[i : i + LM_HEAD_BLOCK].t(), out=out[:, i : i + LM_HEAD_BLOCK])
+            logits = (out if b is None else out + b).float()
+        if self.tp == 1:
+            return logits
+        parts = [torch.empty_like(logits) for _ in range(self.tp)]
+        dist.all_gather(parts, logits, group=self.tp_group)
+        return torch.cat(parts, dim=-1)
 
     # ------------------------------------------------------------------ streaming API
 
@@ -1098,6 +1245,7 @@ class Generator:
         """Copy HF-named tensors (all of `model.state_dict()` or any bucket of it) into the model.
 
         Allowed between step() calls. With tied embeddings either key updates the shared tensor.
+        Under TP the tensors are the full HF ones (what the trainer's weight sync sends); each rank copies its slice.
         In "recompute" mode every in-flight sequence is re-prefilled under the new weights at the
         next step(); in "keep" mode its stale cache is reused.
         """
@@ -1113,11 +1261,10 @@ class Generator:
                     f"update_weights: {name!r} is not a parameter of this "
                     f"{self.model.config.model_type} model (expected HF state_dict names)"
                 )
-            if tuple(tensor.shape) != tuple(target.shape):
-                raise ValueError(
-                    f"update_weights: {name!r} has shape {tuple(tensor.shape)}, model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
+            dim, shape = self.shards.get(name, (None, tuple(target.shape)))
+            if tuple(tensor.shape) != shape:
+                raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, model expects {shape}")
+            target.copy_(slice_shard(tensor, dim, self.tp_rank, self.tp))
         self.version = version
         self.stats.weight_updates += 1
         if self.interrupt_mode == "recompute":

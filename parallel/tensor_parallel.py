@@ -328,14 +328,10 @@ class DecoderStage(nn.Module):
         return self.shard_specs.get(name) is None
 
 
-def check_model_supports_tp(cfg, tp: int) -> None:
-    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {getattr(cfg, 'model_type', None)!r} not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
-    if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
-        raise ValueError("sliding-window attention is not supported by the parallel trainer")
+def check_tp_divides(cfg, tp: int) -> None:
+    """Head, MLP and vocabulary sharding split whole heads / rows: tp must divide each count. KV heads are never
+    replicated across ranks, so a tp above num_key_value_heads is refused too. Shared by the trainer and the
+    rollout Generator, which shard by the same rules."""
     for what, n in (
         ("num_attention_heads", cfg.num_attention_heads),
         ("num_key_value_heads", cfg.num_key_value_heads),
@@ -343,7 +339,22 @@ def check_model_supports_tp(cfg, tp: int) -> None:
         ("intermediate_size", cfg.intermediate_size),
     ):
         if n % tp:
-            raise ValueError(f"tp={tp} must divide {what}={n}")
+            raise ValueError(
+                f"tp={tp} must divide {what}={n} (tensor parallelism splits whole heads, MLP rows and vocabulary "
+                "rows across ranks; KV heads are not replicated)"
+            )
+
+
+def check_model_supports_tp(cfg, tp: int) -> None:
+    """What the parallel trainer runs: its model types, no sliding window, and the TP divisibility."""
+    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model_type {getattr(cfg, 'model_type', None)!r} not supported "
+            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
+        )
+    if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
+        raise ValueError("sliding-window attention is not supported by the parallel trainer")
+    check_tp_divides(cfg, tp)
 
 
 @dataclass
