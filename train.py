@@ -51,6 +51,7 @@ from checkpoint import (
 from config import Config, load_config, to_dict
 from errors import HexrlError
 from parallel.channel import Aborted, Channel, PeerTimeout
+from parallel.groups import RolloutReplica
 from parallel.rankmap import check_plan, default_plan, load_plan
 from parallel.weight_sync import WeightSender
 from runlog import RunLog
@@ -181,7 +182,7 @@ class TrainHead:
             self.buffer = StalenessBuffer.from_state_dict(resumed["buffer"])
             self.data = DataOrder(self.data.prompt_ids, cfg.data.seed, resumed["data_epoch"], resumed["data_pos"])
             self.nonfinite.in_a_row = resumed["nonfinite_in_a_row"]
-        self.pool = RolloutPool(groups.rollout_ranks)
+        self.pool = RolloutPool(groups.replicas)
         self.admission = Admission(self.buffer, self.data, self.pool, cfg.rollout.max_queued_groups)
         self.evals = EvalBook([r["prompt_id"] for r in test_rows])
         self.acks = WeightAcks(groups.rollout_ranks)
@@ -367,6 +368,8 @@ class TrainHead:
     def run(self) -> None:
         cfg = self.cfg
         start_version = self.buffer.version
+        replicas = [{"id": r.id, "ranks": r.ranks, "tp": r.tp, "share": r.share} for r in self.groups.replicas]
+        self.log.event(start_version, "rollout_replicas", replicas=replicas, idle_ranks=self.groups.idle_ranks)
         self.await_ready()
         self.sync_weights()  # rollout ranks start bitwise equal to the trainer
         if start_version == 0 or (cfg.logging.eval_every and start_version % cfg.logging.eval_every == 0):
@@ -402,13 +405,13 @@ class TrainHead:
         if self.pool.lost:
             raise RolloutRanksLost(
                 f"finished at step {self.buffer.version} without rollout rank(s) "
-                f"{self.pool.lost} (stopped answering); exiting 3 so the launcher ends them"
+                f"{self.pool.lost_ranks()} (stopped answering); exiting 3 so the launcher ends them"
             )
 
     def shutdown(self) -> None:
         self.command("stop")
         self.stopped = True
-        for rank in self.pool.live:
+        for rank in self.pool.live + self.groups.idle_ranks:
             self.channel.send(rank, "stop")
         deadline = time.monotonic() + self.cfg.dist.timeout_s
         while any(r not in self.channel.closed for r in self.pool.live) and time.monotonic() < deadline:
@@ -425,7 +428,7 @@ class TrainHead:
         """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""
         if self.stopped:  # they have their `stop` already
             return
-        for rank in self.pool.live:
+        for rank in self.pool.live + self.groups.idle_ranks:
             self.channel.send(rank, "abort", reason=reason)
         if not self.in_collective:
             try:
@@ -484,20 +487,39 @@ class DataOrder:
 
 
 class RolloutPool:
-    """The rollout ranks as the head sees them: live or lost, ready or still loading, how many granted groups
-    each has not finished, and the counters each reported last."""
+    """The rollout replicas as the head sees them, each by its leader rank (the one it talks to): live or lost,
+    ready or still loading, its planned share, how many granted groups it has not finished, the counters it
+    reported last."""
 
-    def __init__(self, ranks: list[int]):
-        self.live = list(ranks)
+    def __init__(self, replicas: list[RolloutReplica]):
+        self.live = [r.leader for r in replicas]
+        self.replicas = {r.leader: r for r in replicas}
         self.lost: list[int] = []
         self.ready: set[int] = set()
-        self.outstanding = {r: 0 for r in ranks}
-        self.counters: dict[int, dict] = {r: {} for r in ranks}
+        self.outstanding = {r: 0 for r in self.live}
+        self.counters: dict[int, dict] = {r: {} for r in self.live}
 
-    def least_loaded(self, max_queued: int) -> int | None:
-        """The live rank with the fewest unfinished groups, if it has fewer than `max_queued`."""
-        rank = min(self.live, key=lambda r: self.outstanding[r])
-        return rank if self.outstanding[rank] < max_queued else None
+    def next_rank(self, max_queued: int) -> int | None:
+        """Where the next group goes: the live replica whose queue is shortest for its planned share, i.e. the
+        smallest (unfinished + 1) / share among those with fewer than `max_queued` unfinished groups. The plan
+        guides (a replica planned for twice the tokens holds twice the queue) without letting a slow replica
+        stall the run: a replica that runs dry is next in line whatever its share. None when all are full."""
+        open_ranks = [r for r in self.live if self.outstanding[r] < max_queued]
+        if not open_ranks:
+            return None
+        return min(open_ranks, key=lambda r: (self.outstanding[r] + 1) / max(self.replicas[r].share, 1e-9))
+
+    def token_shares(self) -> dict[int, float]:
+        """Each replica's measured share of the generated tokens so far, by replica id."""
+        total = self.total("generated_tokens")
+        return {
+            self.replicas[r].id: c.get("generated_tokens", 0) / total if total else 0.0
+            for r, c in self.counters.items()
+        }
+
+    def lost_ranks(self) -> list[int]:
+        """Every rank of the lost replicas (followers too: they wait on their leader)."""
+        return sorted(rank for leader in self.lost for rank in self.replicas[leader].ranks)
 
     def granted(self, rank: int) -> None:
         self.outstanding[rank] += 1
@@ -533,8 +555,9 @@ class RolloutPool:
 
 
 class Admission:
-    """Which prompt goes to which rollout rank: re-queued groups first, then the data order, each to the
-    least-loaded live rank (at most `max_queued` unfinished groups each), as far as the staleness bound allows."""
+    """Which prompt goes to which rollout replica: re-queued groups first, then the data order, each where
+    RolloutPool.next_rank says (planned shares; at most `max_queued` unfinished groups each), as far as the
+    staleness bound allows."""
 
     def __init__(self, buffer: StalenessBuffer, data: DataOrder, pool: RolloutPool, max_queued: int):
         self.buffer, self.data, self.pool, self.max_queued = buffer, data, pool, max_queued
@@ -543,7 +566,7 @@ class Admission:
         """-> {rank: [[group_id, prompt_id], ...]}, already admitted to the buffer."""
         grants: dict[int, list] = {}
         while self.buffer.capacity() > 0:
-            rank = self.pool.least_loaded(self.max_queued)
+            rank = self.pool.next_rank(self.max_queued)
             if rank is None:
                 break
             prompt_id = self.buffer.requeued[0].prompt_id if self.buffer.requeued else self.data.next()
@@ -686,9 +709,22 @@ class StepMetrics:
             "rollout_prefill_s": pool.total("prefill_s"),
             "rollout_prefill_tokens": pool.total("prefill_tokens"),
             "elapsed_s": now - self.t_start,
+            **{f"replica{i}_token_share": share for i, share in pool.token_shares().items()},
         }
         self.generated_tokens = generated
         return {**stats, **rates}
+
+
+def wait_idle(head: int) -> None:
+    """A rank the plan leaves idle (no replica fits it) joins the process groups, then waits for the end."""
+    print(f"[rank {dist.get_rank()}] idle: the plan gives this rank no role", file=sys.stderr, flush=True)
+    channel = Channel([head])
+    while True:
+        for _, msg in channel.poll(timeout_s=1.0):
+            if msg["kind"] == "stop":
+                return
+            if msg["kind"] == "abort":
+                raise Aborted(msg["reason"])
 
 
 # ---------------------------------------------------------------------------------------------- resume
@@ -734,10 +770,16 @@ def main(argv: list[str]) -> int:
         raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]
 
+    if groups.role == "idle":
+        wait_idle(head)
+        return 0
     if groups.role == "rollout":
+        from parallel.replica import ReplicaLink
         from rollout import RolloutWorker
 
-        RolloutWorker(cfg, load_policy(cfg, device), tok, train_rows, test_rows, head, device).run()
+        replica = groups.replica
+        link = ReplicaLink(replica.group, replica.ranks, device) if replica.tp > 1 else None
+        RolloutWorker(cfg, load_policy(cfg, device), tok, train_rows, test_rows, head, device, link).run()
         return 0
     if rank != head:
         trainer = make_trainer(cfg, groups, device)
@@ -754,7 +796,7 @@ def main(argv: list[str]) -> int:
             load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))
         log = open_run(cfg, checkpoint, state, plan)
     except BaseException as e:
-        for r in groups.rollout_ranks:
+        for r in groups.rollout_ranks + groups.idle_ranks:
             channel.send(r, "abort", reason=str(e))
         raise
     writer = CheckpointWriter(log.dir, cfg.checkpoint.keep, tok, hf_config)

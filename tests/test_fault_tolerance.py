@@ -246,6 +246,7 @@ def make_head(tmp_path, channel, *overrides):
 
     from checkpoint import CheckpointWriter
     from config import load_config
+    from parallel.groups import RolloutReplica
     from runlog import RunLog
     from train import TrainHead
 
@@ -258,7 +259,10 @@ def make_head(tmp_path, channel, *overrides):
             *overrides,
         ]
     )
-    groups = types.SimpleNamespace(rollout_ranks=list(channel.peers), train_ranks=[0], train_group=None)
+    replicas = [RolloutReplica(i, [r], 1 / len(channel.peers)) for i, r in enumerate(channel.peers)]
+    groups = types.SimpleNamespace(
+        rollout_ranks=list(channel.peers), replicas=replicas, idle_ranks=[], train_ranks=[0], train_group=None
+    )
     head = TrainHead(
         cfg,
         groups,

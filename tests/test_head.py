@@ -8,6 +8,7 @@ import pytest
 from buffer import StalenessBuffer, Trajectory
 from checkpoint import CheckpointError
 from errors import HexrlError
+from parallel.groups import RolloutReplica
 from train import (
     Admission,
     DataOrder,
@@ -53,10 +54,16 @@ def test_data_order_refuses_an_empty_set_and_a_bad_position():
 
 
 # ---------------------------------------------------------------------------------------------- admission + pool
-def make_admission(ranks, batch=2, eta=1, max_queued=16, n_prompts=50):
+def pool_of(ranks, shares=None):
+    """TP-1 replicas on `ranks`, equal shares unless given."""
+    shares = shares or [1 / len(ranks)] * len(ranks)
+    return RolloutPool([RolloutReplica(i, [r], share) for i, (r, share) in enumerate(zip(ranks, shares))])
+
+
+def make_admission(ranks, batch=2, eta=1, max_queued=16, n_prompts=50, shares=None):
     buffer = StalenessBuffer(batch, eta)
     buffer.weights_sent(0)
-    pool = RolloutPool(ranks)
+    pool = pool_of(ranks, shares)
     return buffer, pool, Admission(buffer, DataOrder(list(range(n_prompts)), seed=0), pool, max_queued)
 
 
@@ -117,8 +124,30 @@ def test_randomised_admission_never_grants_to_a_lost_rank_or_loses_a_group():
             assert owed == pool.outstanding, trial  # the pool's load is exactly what the buffer holds per rank
 
 
+def test_admission_follows_the_planned_shares_and_a_dry_replica_takes_work():
+    _, pool, admission = make_admission([1, 2], batch=6, eta=4, max_queued=100, shares=[2 / 3, 1 / 3])
+    grants = admission.grants()  # (0 + 4 + 1) * 6 = 30 groups
+    assert {r: len(g) for r, g in grants.items()} == {1: 20, 2: 10}
+    for _ in range(10):  # replica 2 finishes everything it had: it runs dry
+        pool.finished(2)
+    assert pool.next_rank(100) == 2  # a dry replica is next in line, whatever its share
+    for _ in range(20):
+        pool.finished(1)
+    assert pool.next_rank(100) == 1  # both dry: the larger share first
+
+
+def test_replica_token_shares_and_lost_ranks_name_every_member():
+    pool = RolloutPool([RolloutReplica(0, [2, 3], 0.5), RolloutReplica(1, [4, 5], 0.5)])
+    assert pool.live == [2, 4]  # the head talks to the leaders
+    pool.report(2, {"generated_tokens": 30})
+    pool.report(4, {"generated_tokens": 10})
+    assert pool.token_shares() == {0: 0.75, 1: 0.25}
+    pool.drop(4)
+    assert pool.lost_ranks() == [4, 5]
+
+
 def test_stuck_ranks_are_silent_ones_that_owe_work():
-    pool = RolloutPool([1, 2, 3, 4])
+    pool = pool_of([1, 2, 3, 4])
     pool.granted(1)
     assert pool.stuck([1, 2, 3], owes_eval=lambda r: r == 3) == [1, 3]  # 2 is silent but idle; 4 spoke
     pool.drop(1)
@@ -128,7 +157,7 @@ def test_stuck_ranks_are_silent_ones_that_owe_work():
 
 
 def test_pool_totals_and_idle_fraction_use_the_latest_reports():
-    pool = RolloutPool([1, 2])
+    pool = pool_of([1, 2])
     assert pool.idle_fraction() == 0.0 and pool.total("generated_tokens") == 0
     pool.report(1, {"generated_tokens": 10, "idle_s": 1.0, "elapsed_s": 4.0})
     pool.report(1, {"generated_tokens": 30, "idle_s": 1.0, "elapsed_s": 2.0})
@@ -210,7 +239,7 @@ def test_batch_statistics_count_token_staleness_against_the_trained_version():
 
 
 def test_step_rates_count_only_the_tokens_generated_since_the_last_step():
-    metrics, pool = StepMetrics(), RolloutPool([1])
+    metrics, pool = StepMetrics(), pool_of([1])
     pool.report(1, {"generated_tokens": 100, "idle_s": 0.0, "elapsed_s": 1.0})
     first = metrics.step({"trained_tokens": 10.0}, 1, 0.5, pool)
     pool.report(1, {"generated_tokens": 150, "idle_s": 0.0, "elapsed_s": 2.0})
