@@ -48,8 +48,16 @@ def base_args(model_dir: Path, run_dir: Path, eta: int, extra=()) -> list[str]:
     ]
 
 
-def launch(args: list[str], log_prefix: Path) -> subprocess.Popen:
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=4", "--standalone", "train.py", *args]
+def launch(args: list[str], log_prefix: Path, nproc: int = 4) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--standalone",
+        "train.py",
+        *args,
+    ]
     out, err = open(f"{log_prefix}.out", "w"), open(f"{log_prefix}.err", "w")
     return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err, start_new_session=True)
 
@@ -120,9 +128,9 @@ def check_run(run: Path, eta: int, note: str) -> None:
     assert [m["step"] for m in step_lines(run)] == list(range(1, STEPS + 1)), f"{note}: metrics steps"
 
 
-def kill_at(args: list[str], run: Path, prefix: Path, step: int, rank: int, note: str) -> int:
+def kill_at(args: list[str], run: Path, prefix: Path, step: int, rank: int, note: str, nproc: int = 4) -> int:
     """Launch (resume=auto), SIGKILL `rank` once `step` steps are logged; returns the steps logged at death."""
-    proc = launch(args, prefix)
+    proc = launch(args, prefix, nproc)
     # the previous launch's lines count only once this one has cut the logs back (it prints the run directory
     # after that); before, an old metrics.jsonl can already hold `step` lines while no worker exists yet
     out = Path(f"{prefix}.out")

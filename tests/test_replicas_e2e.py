@@ -1,0 +1,101 @@
+"""Rollout replicas as planned, end to end on CPU (tiny model, gloo): a TP-2 replica generates for the trainer,
+and losing one of its ranks loses the whole replica but no trajectory.
+
+* a TP-2 replica run: exit 0, every planned trajectory consumed exactly once within the staleness bound;
+* SIGSTOP a TP follower (5 ranks: 2 train, a TP-2 and a TP-1 replica): its leader stalls in the replica's
+  collective, the head drops the replica, finishes with the other one and names both stuck ranks;
+* SIGKILL a TP follower, relaunch with resume=auto: nothing lost, nothing duplicated (ledger audit).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+from test_fault_tolerance import (
+    STEPS,
+    base_args,
+    check_run,
+    finish,
+    kill_at,
+    launch,
+    resumed_step,
+    step_lines,
+    wait_until,
+    worker_pids,
+)
+
+from parallel.rankmap import make_train_plan
+
+
+def replica_plan(path: Path, num_layers: int, replicas: list[tuple[list[int], float]]) -> Path:
+    """Two DP train ranks (0, 1) and the given rollout replicas (ranks, share), all on machine 0."""
+    world = 2 + sum(len(ranks) for ranks, _ in replicas)
+    plan = make_train_plan(2, 1, 1, [(0, num_layers)], world_size=world)
+    for entry in plan["ranks"]:
+        entry.update(machine=0, gpu_type="cpu")
+    plan["rollout"] = {
+        "replicas": [
+            {"id": i, "gpu_type": "cpu", "tp": len(ranks), "pp": 1, "ranks": ranks, "share": share}
+            for i, (ranks, share) in enumerate(replicas)
+        ]
+    }
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def layers_of(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+
+def test_tp2_replica_trains_exactly_once(tmp_path, tiny_model_dir):
+    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 1.0)])
+    run = tmp_path / "r"
+    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}"]), tmp_path / "tp2")
+    assert finish(proc) == 0, (tmp_path / "tp2.err").read_text()[-3000:]
+    check_run(run, 1, "TP-2 replica")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    (event,) = [m for m in lines if m.get("event") == "rollout_replicas"]
+    assert event["replicas"] == [{"id": 0, "ranks": [2, 3], "tp": 2, "share": 1.0}]
+    assert all(m["replica0_token_share"] == 1.0 for m in lines if "loss" in m)
+
+
+def test_stuck_tp_follower_drops_its_replica(tmp_path, tiny_model_dir):
+    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 0.5), ([4], 0.5)])
+    run, timeout = tmp_path / "r", 4
+    # the process-group timeout outlasts the run, so the stalled leader is dropped by the head, not by gloo
+    args = base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}", f"dist.rollout_timeout_s={timeout}"])
+    proc = launch([*args, "dist.timeout_s=400"], tmp_path / "stop", nproc=5)
+    wait_until(lambda: len(step_lines(run)) >= 1, proc, 180, "step 1")
+    pids = worker_pids(proc.pid)
+    os.kill(pids[3], signal.SIGSTOP)
+    err = tmp_path / "stop.err"
+    try:
+        wait_until(lambda: "warning: rollout rank 2" in err.read_text(), proc, timeout + 90, "replica [2, 3] dropped")
+        wait_until(lambda: not Path(f"/proc/{pids[0]}").exists(), proc, 240, "the head to finish")
+    finally:
+        os.kill(pids[3], signal.SIGKILL)
+    rc = finish(proc)
+    stderr = err.read_text()
+    assert rc != 0
+    assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [2, 3]" in stderr, stderr[-3000:]
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    assert [(e["event"], e.get("rank")) for e in events] == [("rollout_replicas", None), ("rollout_rank_lost", 2)]
+    check_run(run, 1, "SIGSTOP TP follower 3")
+
+
+def test_sigkill_tp_follower_then_resume_exactly_once(tmp_path, tiny_model_dir):
+    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 1.0)])
+    run = tmp_path / "r"
+    args = base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}"])
+    note = "SIGKILL TP follower 3 at step 3"
+    done = kill_at(args, run, tmp_path / "launch0", 3, 3, note)
+    t0 = time.monotonic()
+    proc = launch(args, tmp_path / "launch1")
+    assert finish(proc) == 0, f"{note}\n" + (tmp_path / "launch1.err").read_text()[-3000:]
+    step = resumed_step(tmp_path / "launch1")
+    assert step is not None and step <= done and step % 2 == 0, (note, done, step, time.monotonic() - t0)
+    check_run(run, 1, note)
