@@ -7,7 +7,7 @@
 The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
   Phase 1a  train_plan      enumerate DP x TP x PP (TP/DP groups of one GPU type, stages may differ in type),
                             layers per stage proportional to stage compute, then rebalanced for memory; fastest wins.
-  Phase 1b  rollout_plan    a MILP (python-mip/CBC) over replica configs psi = (type, TP inside a machine, PP):
+  Phase 1b  rollout_plan    a MILP (python-mip/CBC) over replica configs psi = (type, TP inside a machine; PP 1):
                             maximise sum_psi y_psi h_psi under per-machine TP packing. Eq. 2 (min makespan Theta with
                             x_psi * len / (y_psi h_psi) <= Theta) is bilinear in (Theta, y); with continuous x_psi the
                             optimum assigns work proportional to throughput, x_psi = B y_psi h_psi / sum y h, so
@@ -103,6 +103,39 @@ class Evaluation:
 # ----------------------------------------------------------------------------- the planner
 
 
+def rollout_tp_problems(model: ModelSpec, tp: int) -> list[str]:
+    """Why a rollout replica of TP degree tp cannot shard this model (empty if it can): like the trainer's tensor
+    parallelism it splits whole attention heads, KV heads (never replicated), MLP rows and vocabulary rows."""
+    counts = [
+        ("attention heads", model.heads),
+        ("KV heads", model.kv_heads),
+        ("intermediate size", model.intermediate),
+        ("vocab size", model.vocab),
+    ]
+    return [f"{what} ({n})" for what, n in counts if n % tp]
+
+
+def check_rollout_tp(cluster: Cluster, model: ModelSpec, tp: int) -> None:
+    """--rollout-tp K: K must shard the model and fit inside one machine of some GPU type (TP stays in a machine)."""
+    if tp < 1:
+        raise PlanError(f"--rollout-tp must be >= 1, got {tp}")
+    bad = rollout_tp_problems(model, tp)
+    if bad:
+        raise PlanError(
+            f"--rollout-tp {tp} does not divide the model {model.name}'s {', '.join(bad)}: a TP replica shards "
+            "whole heads, MLP rows and vocabulary rows and does not replicate KV heads"
+        )
+    largest = {}
+    for m in cluster.machines:
+        largest[m.gpu_type] = max(largest.get(m.gpu_type, 0), m.gpus)
+    if max(largest.values()) < tp:
+        sizes = ", ".join(f"{t}: {n}" for t, n in sorted(largest.items()))
+        raise PlanError(
+            f"--rollout-tp {tp}: no machine has {tp} GPUs of one type for a TP-{tp} rollout replica "
+            f"(largest machine per GPU type: {sizes})"
+        )
+
+
 class Planner:
     """Holds the cluster, model, workload and caches; phase 1 plans one split, the rest evaluates and searches
     splits."""
@@ -115,11 +148,15 @@ class Planner:
         eff: Efficiency | None = None,
         max_seconds: float = 10.0,
         forced_layout: tuple[int, int, int] | None = None,
+        rollout_tp: int | None = None,
     ) -> None:
+        if rollout_tp is not None:
+            check_rollout_tp(cluster, model, rollout_tp)
         self.cluster, self.model, self.wl = cluster, model, wl
         self.eff = eff or Efficiency()
         self.max_seconds = max_seconds
         self.forced_layout = forced_layout
+        self.rollout_tp = rollout_tp
         self.stats = SolverStats()
         # global GPU ids in cluster order; machine m owns ids first[m] .. first[m] + gpus - 1
         self.first, n = [], 0
@@ -244,22 +281,20 @@ class Planner:
 
     # ------------------------------------------------------------------ Phase 1b: rollout plan
     def replica_configs(self, gpu_type: str) -> list[ReplicaConfig]:
+        """Psi for one GPU type: TP inside one machine (powers of two, or exactly --rollout-tp), PP = 1. The
+        runtime runs TP replicas only (stage-wise decode across machines is not built), and shards like the
+        trainer's tensor parallelism without replicating KV heads (`rollout_tp_problems`)."""
         if gpu_type not in self._configs_cache:
             gpu = self.cluster.gpu(gpu_type)
             max_tp = max(m.gpus for m in self.cluster.machines if m.gpu_type == gpu_type)
-            n_type = sum(m.gpus for m in self.cluster.machines if m.gpu_type == gpu_type)
-            inter = self.cluster.inter_gbps.get((gpu_type, gpu_type), gpu.intra_gbps)
+            tps = powers_of_two(max_tp) if self.rollout_tp is None else [self.rollout_tp]
             out = []
-            for tp in powers_of_two(max_tp):
-                if not self.tp_ok(tp):
+            for tp in tps:
+                if tp > max_tp or rollout_tp_problems(self.model, tp):
                     continue
-                for pp in range(1, min(8, self.model.layers) + 1):
-                    if tp * pp > n_type:
-                        break
-                    link = gpu.intra_gbps if tp * pp <= max_tp else inter
-                    cost = cm.replica_cost(self.model, gpu, tp, pp, self.wl, self.eff, link)
-                    if cost:
-                        out.append(ReplicaConfig(gpu_type, tp, pp, cost))
+                cost = cm.replica_cost(self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps)
+                if cost:
+                    out.append(ReplicaConfig(gpu_type, tp, 1, cost))
             self._configs_cache[gpu_type] = out
         return self._configs_cache[gpu_type]
 
@@ -614,11 +649,19 @@ class Planner:
         if not fits_roll:
             raise PlanError(
                 f"memory: model {m.name} ({m.params / 1e9:.2f}B params) fits no rollout replica "
-                f"(TP inside one machine, PP <= 8) on GPU types {self.types}"
+                f"({'TP ' + str(self.rollout_tp) if self.rollout_tp else 'TP'} inside one machine, PP 1) "
+                f"on GPU types {self.types}"
             )
         if not fits_train:
             raise PlanError(f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster")
-        raise PlanError("role left empty: no split gives both a feasible trainer set and a feasible rollout set")
+        forced = (
+            f" (--rollout-tp {self.rollout_tp}: every rollout replica takes {self.rollout_tp} GPUs of one machine)"
+            if self.rollout_tp
+            else ""
+        )
+        raise PlanError(
+            f"role left empty: no split gives both a feasible trainer set and a feasible rollout set{forced}"
+        )
 
     # ------------------------------------------------------------------ --exhaustive
     def exhaustive(self) -> Evaluation:
@@ -703,15 +746,20 @@ def plan(
     min_tokens_per_s: float | None = None,
     exhaustive: bool = False,
     train_layout: tuple[int, int, int] | None = None,
+    rollout_tp: int | None = None,
     max_seconds: float = 10.0,
 ) -> dict:
     """The planner's entry point: best plan as the plan-JSON dict. budget: max throughput among whole-machine
-    sub-clusters costing <= budget $/h; min_tokens_per_s: cheapest sub-cluster reaching that throughput."""
+    sub-clusters costing <= budget $/h; min_tokens_per_s: cheapest sub-cluster reaching that throughput.
+    rollout_tp: every rollout replica has this TP degree (checked against the model and the whole cluster here,
+    so a sub-cluster search does not hide the reason)."""
     eff = eff or Efficiency()
     t0 = time.perf_counter()
+    if rollout_tp is not None:
+        check_rollout_tp(cluster, model, rollout_tp)
 
     def run(c: Cluster) -> tuple[Planner, Evaluation]:
-        p = Planner(c, model, wl, eff, max_seconds, train_layout)
+        p = Planner(c, model, wl, eff, max_seconds, train_layout, rollout_tp)
         return p, (p.exhaustive() if exhaustive else p.solve())
 
     if budget is None and min_tokens_per_s is None:
@@ -858,6 +906,7 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
             "model": p.model.to_config(),
             "workload": p.wl.to_dict(),
             "efficiency": p.eff.to_dict(),
+            **({"rollout_tp": p.rollout_tp} if p.rollout_tp is not None else {}),
         },
     }
 
@@ -1082,6 +1131,7 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--budget", type=float, default=None, help="max $/hour: best whole-machine sub-cluster")
     ap.add_argument("--min-tokens-per-s", type=float, default=None, help="cheapest sub-cluster reaching this")
     ap.add_argument("--train-layout", default=None, help="force the trainer layout dp,tp,pp")
+    ap.add_argument("--rollout-tp", type=int, default=None, help="force TP degree K for every rollout replica")
     ap.add_argument("--exhaustive", action="store_true", help="brute force the same space (small clusters)")
     ap.add_argument("--max-seconds", type=float, default=10.0, help="time limit of every MILP solve")
     ap.add_argument("--out", default=None, help="plan JSON path")
@@ -1100,6 +1150,7 @@ def plan_main(argv: list[str]) -> int:
         min_tokens_per_s=a.min_tokens_per_s,
         exhaustive=a.exhaustive,
         train_layout=parse_layout(a.train_layout),
+        rollout_tp=a.rollout_tp,
         max_seconds=a.max_seconds,
     )
     if not a.quiet:
@@ -1162,6 +1213,7 @@ def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
         cm.model_from_config(inp["model"]),
         Workload(**inp["workload"]),
         Efficiency.from_dict(inp["efficiency"]),
+        rollout_tp=inp.get("rollout_tp"),
     )
     counts = [0] * len(cluster.machines)
     for r in pj["ranks"]:

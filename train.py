@@ -51,8 +51,18 @@ from checkpoint import (
 from config import Config, load_config, to_dict
 from errors import HexrlError
 from parallel.channel import Aborted, Channel, PeerTimeout
-from parallel.groups import RolloutReplica
-from parallel.rankmap import check_plan, default_plan, load_plan
+from parallel.rankmap import (
+    PlanError,
+    RolloutReplica,
+    all_gather_json,
+    check_launch,
+    check_plan,
+    default_plan,
+    device_name,
+    layout_mismatches,
+    layout_record,
+    load_plan,
+)
 from parallel.weight_sync import WeightSender
 from runlog import RunLog
 from tasks import DataError, load_task
@@ -759,11 +769,15 @@ def main(argv: list[str]) -> int:
         else default_plan(world, hf_config.num_hidden_layers, cfg.plan.num_rollout)
     )
     check_plan(plan, world, hf_config.num_hidden_layers)
+    check_launch(plan, device, os.environ)  # collective: each rank is where the plan put it, or every rank stops
     torch.manual_seed(cfg.train.seed)
 
     from parallel.groups import build_groups
 
     groups = build_groups(plan)  # collective: every rank, same order
+    layout = all_gather_json(layout_record(plan, os.environ, device_name(device), groups.what_runs()))
+    if problems := layout_mismatches(plan, layout, any_device=True):  # the groups run something else than planned
+        raise PlanError(f"the process groups do not run the plan: {problems[0]}")
     try:
         train_rows, test_rows = load_task(cfg.data, tok)
     except (DataError, OSError) as e:  # bad rows (on_bad_row=fail), missing files, no rows
@@ -795,6 +809,7 @@ def main(argv: list[str]) -> int:
         if checkpoint is not None:
             load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))
         log = open_run(cfg, checkpoint, state, plan)
+        (log.dir / "layout.json").write_text(json.dumps(layout, indent=1))  # what ran, rank by rank
     except BaseException as e:
         for r in groups.rollout_ranks + groups.idle_ranks:
             channel.send(r, "abort", reason=str(e))
@@ -826,12 +841,18 @@ def shutdown_cleanly(code: int) -> None:
 
 
 def exit_on_error(e: BaseException) -> None:
-    """One line naming the problem, then the error's exit code (2; 3 for lost rollout ranks)."""
+    """One line naming the problem, then the error's exit code (2; 3 for lost rollout ranks). An error every rank
+    meets alike is printed once per node, by its local rank 0."""
     rank = os.environ.get("RANK", "0")
-    if getattr(e, "same_on_every_rank", False) and rank != "0":
-        time.sleep(5.0)  # rank 0 prints it; exiting first would make torchrun kill rank 0 mid-way
-    elif not isinstance(e, Aborted):  # the head has printed why it aborted the run
+    if getattr(e, "same_on_every_rank", False) and os.environ.get("LOCAL_RANK", "0") != "0":
+        time.sleep(5.0)  # local rank 0 prints it; exiting first would make torchrun kill it mid-way
+        os._exit(getattr(e, "exit_code", 2))
+    if not isinstance(e, Aborted):  # the head has printed why it aborted the run
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
+    if os.environ.get("GROUP_RANK", "0") == "0" and os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
+        # node 0's agent hosts the rendezvous store: leaving at once would cut the other nodes' agents off before
+        # they see their own ranks' exit codes
+        time.sleep(2.0)
     os._exit(getattr(e, "exit_code", 2))
 
 

@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Several GPU nodes, possibly of different GPU types: the planner's heterogeneous plan vs homogeneous baselines.
+# (exp/multi_node_cpu.sh rehearses the same two-agent launch on one CPU host.)
 #
 # 1. once, on any machine (CPU only): plan for the cluster you have and for its homogeneous parts
 #      CLUSTER=exp/clusters/hetero_24.yaml SIZE=7b OUT=/shared/hex7b bash exp/gpu_multi_node.sh plan
 #    -> $OUT/plan.json (the whole cluster), $OUT/plan_<type>.json (only the machines of one GPU type), and
 #       each plan's predicted step time, tokens/s and $/h printed side by side.
 # 2. on every node of the run, with the plan on a shared path (or copied to each node):
-#      CLUSTER=... SIZE=7b OUT=/shared/hex7b NODE_RANK=<0..N-1> MASTER_ADDR=<node 0> bash exp/gpu_multi_node.sh train
-#    PLAN=plan_H800 runs a homogeneous baseline on the H800 machines only (start it on those nodes alone).
+#      CLUSTER=... SIZE=7b OUT=/shared/hex7b bash exp/gpu_multi_node.sh train <node rank> <master addr> [<nproc>] \
+#          [train.py overrides]
+#    (or NODE_RANK=, MASTER_ADDR=, NPROC= in the environment). nproc defaults to the plan's rank count for that
+#    node and must equal it. PLAN=plan_H800 runs a homogeneous baseline on the H800 machines only (start it on
+#    those nodes alone).
 #
-# The plan numbers global ranks machine by machine in the order of the cluster YAML, so node k of the launch
-# must be the k-th machine there (torchrun gives rank node_rank*GPUs + local rank). The default rendezvous is
-# c10d, which orders nodes by their host name (torch elastic's dynamic rendezvous sorts its participants):
-# list machines in host-name order, or use RDZV_BACKEND=static, which keeps NODE_RANK. Each node checks that
-# its GPUs are the type the plan puts there before starting.
+# Which node is which (parallel/rankmap.py, "placement"): node k of the launch is the k-th machine in the plan's
+# rank order -- schedule.py puts the machines holding pipeline stage 0 first, so that need not be the k-th machine
+# of the cluster YAML; the line "node k = machine m" printed below names it. The node runs exactly that machine's
+# ranks (LOCAL_WORLD_SIZE = its rank count; local rank j = its j-th rank) on GPUs of its type. Before starting,
+# this script checks the node rank you gave against the plan (rank count, GPU count and GPU name via nvidia-smi);
+# train.py checks what torchrun actually assigned on every rank and ends the run on every node with one line and
+# exit code 2 if it differs. That matters because the default rendezvous, c10d, ignores --node-rank and orders
+# nodes by (host name, agent pid): with machines that differ, either give node ranks in host-name order or use
+# RDZV_BACKEND=static, which keeps the node rank given here. HEXRL_ANY_DEVICE=1 skips the GPU-type comparisons.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -71,35 +79,61 @@ for p in sorted(pathlib.Path(sys.argv[1]).glob("plan*.json")):
 PY
   ;;
 train)
+  if [[ "${1:-}" =~ ^[0-9]+$ ]]; then # positional: <node rank> <master addr> [<nproc>]
+    NODE_RANK="$1" MASTER_ADDR="${2:-}"
+    shift $(($# < 2 ? $# : 2))
+    if [[ "${1:-}" =~ ^[0-9]+$ ]]; then NPROC="$1"; shift; fi
+  fi
+  if [[ -z "${NODE_RANK:-}" || -z "${MASTER_ADDR:-}" ]]; then
+    echo "error: give the node rank (0 on the rendezvous host) and the master address (host of node 0):" \
+      "$0 train <node rank> <master addr> [<nproc>] [train.py overrides]" >&2
+    exit 2
+  fi
   PLAN_NAME="${PLAN:-plan}"
   PLAN_FILE="$OUT/$PLAN_NAME.json"
   [[ -f "$PLAN_FILE" ]] || { echo "error: $PLAN_FILE not found; run '$0 plan' first (and share \$OUT)" >&2; exit 2; }
-  : "${NODE_RANK:?set NODE_RANK (0 on the rendezvous host)}" "${MASTER_ADDR:?set MASTER_ADDR (host of node 0)}"
+  # this node's machine in the plan: node k = the k-th machine in rank order (parallel.rankmap.plan_nodes)
   placement="$("$PYTHON" - "$PLAN_FILE" "$NODE_RANK" <<'PY'
 import json, sys
+from parallel.rankmap import PlanError, plan_nodes
 plan, node = json.load(open(sys.argv[1])), int(sys.argv[2])
-machines = sorted({r["machine"] for r in plan["ranks"]})
-if node >= len(machines):
-    sys.exit(f"NODE_RANK={node} but the plan spans {len(machines)} machines")
-mine = [r for r in plan["ranks"] if r["machine"] == machines[node]]
-first = sum(1 for r in plan["ranks"] if r["machine"] < machines[node])
-if sorted(r["rank"] for r in mine) != list(range(first, first + len(mine))):
-    sys.exit(f"plan ranks of machine {machines[node]} are not contiguous from {first}: torchrun cannot place them")
-print(len(machines), len(mine), mine[0]["gpu_type"])
+try:
+    nodes = plan_nodes(plan)
+except PlanError as e:
+    sys.exit(f"error: {e}")
+if nodes is None:
+    sys.exit("error: the plan has no `machine` fields: make it with schedule.py for the cluster of these nodes")
+if node >= len(nodes):
+    sys.exit(f"error: node rank {node}, but the plan spans {len(nodes)} machines (node ranks 0..{len(nodes) - 1})")
+n = nodes[node]
+print(len(nodes), n["count"], n["gpu_type"], n["machine"], n["first"])
 PY
-  )"
-  read -r NNODES GPUS_HERE TYPE_HERE <<< "$placement"
+  )" || exit 2
+  read -r NNODES GPUS_HERE TYPE_HERE MACHINE_HERE FIRST_HERE <<< "$placement"
+  NPROC="${NPROC:-$GPUS_HERE}"
+  echo "node $NODE_RANK = machine $MACHINE_HERE of the plan: $GPUS_HERE x $TYPE_HERE, global ranks $FIRST_HERE..$((FIRST_HERE + GPUS_HERE - 1)) of $NNODES nodes"
+  if [[ "$NPROC" != "$GPUS_HERE" ]]; then
+    echo "error: node $NODE_RANK: the plan puts $GPUS_HERE ranks on machine $MACHINE_HERE, asked to run $NPROC" >&2
+    exit 2
+  fi
+  command -v nvidia-smi > /dev/null || { echo "error: node $NODE_RANK: no nvidia-smi here; is this a GPU node?" >&2; exit 2; }
   local_gpus="$(nvidia-smi --list-gpus | wc -l)"
   local_name="$(nvidia-smi --query-gpu=name --format=csv,noheader | head -n 1)"
-  if (( local_gpus < GPUS_HERE )) || ! [[ "$local_name" =~ (^|[^A-Za-z0-9])${TYPE_HERE}([^0-9]|$) ]]; then
-    echo "error: the plan puts $GPUS_HERE x $TYPE_HERE on node $NODE_RANK, this node has $local_gpus x $local_name" >&2
+  if ((local_gpus < GPUS_HERE)); then
+    echo "error: node $NODE_RANK: the plan puts $GPUS_HERE x $TYPE_HERE here, this node has $local_gpus GPUs ($local_name)" >&2
+    exit 2
+  fi
+  if [[ "${HEXRL_ANY_DEVICE:-}" != 1 ]] \
+    && ! "$PYTHON" -c 'import sys; from parallel.rankmap import device_matches; sys.exit(not device_matches(*sys.argv[1:]))' \
+      "$TYPE_HERE" "$local_name"; then
+    echo "error: node $NODE_RANK: the plan puts $TYPE_HERE GPUs here, this node has '$local_name' (HEXRL_ANY_DEVICE=1 to run anyway)" >&2
     exit 2
   fi
   export HF_DATASETS_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-offline}" OMP_NUM_THREADS=4
   MODEL_ARG=()
   [[ -n "${MODEL_PATH:-}" ]] && MODEL_ARG=(model.path="$MODEL_PATH")
   RUN_NAME="${RUN_NAME:-${PLAN_NAME}_eta$ETA}"
-  "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$GPUS_HERE" \
+  "$PYTHON" -m torch.distributed.run --nnodes="$NNODES" --node-rank="$NODE_RANK" --nproc-per-node="$NPROC" \
     --rdzv-backend="${RDZV_BACKEND:-c10d}" --rdzv-endpoint="$MASTER_ADDR:${MASTER_PORT:-29500}" \
     --rdzv-id="${RDZV_ID:-hexrl-$SIZE-$RUN_NAME}" \
     train.py config="gpu_r1_$SIZE" "${MODEL_ARG[@]}" plan="$PLAN_FILE" staleness.max_staleness="$ETA" \
@@ -109,6 +143,6 @@ PY
   fi
   ;;
 *)
-  echo "usage: CLUSTER=<yaml> OUT=<shared dir> [SIZE=1.5b|7b|14b] bash exp/gpu_multi_node.sh plan|train [train.py overrides]" >&2
+  echo "usage: CLUSTER=<yaml> OUT=<shared dir> [SIZE=1.5b|7b|14b] bash exp/gpu_multi_node.sh plan | train <node rank> <master addr> [<nproc>] [train.py overrides]" >&2
   exit 2 ;;
 esac

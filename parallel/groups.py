@@ -17,57 +17,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel.rankmap import PlanError, train_coords, validate_plan
-
-
-@dataclass
-class RolloutReplica:
-    id: int
-    ranks: list[int]  # leader first
-    share: float  # the planned fraction of generated tokens
-    group: Any = None  # process group of its ranks (tp > 1)
-
-    @property
-    def tp(self) -> int:
-        return len(self.ranks)
-
-    @property
-    def leader(self) -> int:
-        return self.ranks[0]
-
-
-def rollout_replicas(plan: dict, rollout_ranks: list[int]) -> tuple[list[RolloutReplica], list[int]]:
-    """The plan's rollout replicas (checked against its rollout ranks) and its idle ranks."""
-    entries = {int(e["rank"]): e for e in plan["ranks"]}
-    idle = [r for r in rollout_ranks if entries[r].get("idle")]
-    specs = (plan.get("rollout") or {}).get("replicas")
-    if not specs:
-        live = [r for r in rollout_ranks if r not in idle]
-        return [RolloutReplica(i, [r], 1.0 / len(live)) for i, r in enumerate(live)], idle  # [] without any
-    replicas, seen = [], set()
-    for spec in specs:
-        ranks = sorted(int(r) for r in spec["ranks"])
-        if int(spec.get("pp", 1)) != 1:
-            raise PlanError(
-                f"rollout replica {spec.get('id')} has pp={spec['pp']}: rollout replicas run TP only (pp 1)"
-            )
-        if int(spec.get("tp", len(ranks))) != len(ranks):
-            raise PlanError(f"rollout replica {spec.get('id')} has tp={spec['tp']} but {len(ranks)} ranks {ranks}")
-        bad = [r for r in ranks if r not in rollout_ranks or r in idle or r in seen]
-        if bad:
-            raise PlanError(f"rollout replica {spec.get('id')} lists ranks {bad} that are not free rollout ranks")
-        machines = {entries[r].get("machine") for r in ranks}
-        if len(machines) > 1:
-            raise PlanError(f"rollout replica {spec.get('id')} spans machines {sorted(machines)}; TP stays on one")
-        seen.update(ranks)
-        replicas.append(RolloutReplica(int(spec.get("id", len(replicas))), ranks, float(spec.get("share", 0.0))))
-    missing = [r for r in rollout_ranks if r not in seen and r not in idle]
-    if missing:
-        raise PlanError(f"rollout ranks {missing} are in no replica and not idle")
-    total = sum(r.share for r in replicas)
-    for r in replicas:  # shares that do not sum to 1 (or are missing) are read as relative weights
-        r.share = r.share / total if total > 0 else 1.0 / len(replicas)
-    return replicas, idle
+from parallel.rankmap import PlanError, RolloutReplica, rollout_replicas, train_coords, validate_plan
 
 
 @dataclass
@@ -116,6 +66,18 @@ class ParallelGroups:
     @property
     def layers(self) -> tuple[int, int]:
         return self.stage_layers[self.pp_rank]
+
+    def what_runs(self) -> dict:
+        """This rank's role as these groups run it, spelt like rankmap.planned_role (for layout.json)."""
+        train, replica = self.is_train, self.replica if self.role == "rollout" else None
+        return {
+            "role": self.role,
+            "replica": replica.id if replica else None,
+            "tp_rank": replica.ranks.index(self.rank) if replica else None,
+            "stage": self.pp_rank if train else None,
+            "dp": self.dp_rank if train else None,
+            "tp": self.tp_rank if train else None,
+        }
 
 
 def build_groups(plan: dict) -> ParallelGroups:

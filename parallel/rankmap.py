@@ -7,12 +7,17 @@ sorted by global rank; train index i -> tp = i % tp, dp = (i // tp) % dp, pp = i
 varying so a TP group sits on neighbouring (same-node) ranks.
 Without a plan file, `default_plan` splits the world: the first ranks train (data parallel only),
 the rest generate.
+Placement (below): the plan's machines are torchrun's nodes in rank order; `check_launch` (collective) checks every
+rank's node, local rank and device against the plan and returns the layout the head writes as layout.json.
 """
 
 from __future__ import annotations
 
 import json
+import re
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from errors import HexrlError
 
@@ -120,6 +125,56 @@ def validate_plan(plan: dict) -> tuple[list[int], list[int], int, int, int, list
     return train_ranks, rollout_ranks, dp, tp, pp, stage_layers
 
 
+@dataclass
+class RolloutReplica:
+    id: int
+    ranks: list[int]  # leader first
+    share: float  # the planned fraction of generated tokens
+    group: Any = None  # process group of its ranks (tp > 1)
+
+    @property
+    def tp(self) -> int:
+        return len(self.ranks)
+
+    @property
+    def leader(self) -> int:
+        return self.ranks[0]
+
+
+def rollout_replicas(plan: dict, rollout_ranks: list[int]) -> tuple[list[RolloutReplica], list[int]]:
+    """The plan's rollout replicas (checked against its rollout ranks) and its idle ranks."""
+    entries = {int(e["rank"]): e for e in plan["ranks"]}
+    idle = [r for r in rollout_ranks if entries[r].get("idle")]
+    specs = (plan.get("rollout") or {}).get("replicas")
+    if not specs:
+        live = [r for r in rollout_ranks if r not in idle]
+        return [RolloutReplica(i, [r], 1.0 / len(live)) for i, r in enumerate(live)], idle  # [] without any
+    replicas, seen = [], set()
+    for spec in specs:
+        ranks = sorted(int(r) for r in spec["ranks"])
+        if int(spec.get("pp", 1)) != 1:
+            raise PlanError(
+                f"rollout replica {spec.get('id')} has pp={spec['pp']}: rollout replicas run TP only (pp 1)"
+            )
+        if int(spec.get("tp", len(ranks))) != len(ranks):
+            raise PlanError(f"rollout replica {spec.get('id')} has tp={spec['tp']} but {len(ranks)} ranks {ranks}")
+        bad = [r for r in ranks if r not in rollout_ranks or r in idle or r in seen]
+        if bad:
+            raise PlanError(f"rollout replica {spec.get('id')} lists ranks {bad} that are not free rollout ranks")
+        machines = {entries[r].get("machine") for r in ranks}
+        if len(machines) > 1:
+            raise PlanError(f"rollout replica {spec.get('id')} spans machines {sorted(machines)}; TP stays on one")
+        seen.update(ranks)
+        replicas.append(RolloutReplica(int(spec.get("id", len(replicas))), ranks, float(spec.get("share", 0.0))))
+    missing = [r for r in rollout_ranks if r not in seen and r not in idle]
+    if missing:
+        raise PlanError(f"rollout ranks {missing} are in no replica and not idle")
+    total = sum(r.share for r in replicas)
+    for r in replicas:  # shares that do not sum to 1 (or are missing) are read as relative weights
+        r.share = r.share / total if total > 0 else 1.0 / len(replicas)
+    return replicas, idle
+
+
 def make_train_plan(
     dp: int, tp: int, pp: int, stage_layers: list[tuple[int, int]], world_size: int | None = None, gpu_type: str = "cpu"
 ) -> dict:
@@ -145,3 +200,227 @@ def make_train_plan(
         for p in range(pp)
     ]
     return {"world_size": world_size, "ranks": ranks, "train": {"dp": dp, "tp": tp, "pp": pp, "stages": stages}}
+
+
+# ---------------------------------------------------------------------------------------------- placement
+# Where the plan puts each rank vs where torchrun started it. The mapping:
+#   * the plan's nodes are its machines (`ranks[].machine`, the cluster YAML's index) in order of first appearance
+#     along the global ranks; node k of the plan is the k-th of them (not necessarily YAML machine k: schedule.py
+#     puts the machines holding pipeline stage 0 first);
+#   * each machine's ranks must be one contiguous block of global ranks (torchrun gives a node one block);
+#   * torchrun's node GROUP_RANK = k must run exactly that machine's ranks: LOCAL_WORLD_SIZE = the machine's rank
+#     count, and local rank j is the machine's j-th rank, i.e. RANK = first rank of machine k + LOCAL_RANK. Nodes may
+#     run different numbers of ranks; the offsets come from the plan's per-machine counts;
+#   * the device matches the rank's `gpu_type` (`device_matches`): "cpu" runs on CPU only, a GPU type on a CUDA
+#     device whose name contains it. HEXRL_ANY_DEVICE=1 in the environment skips this comparison on purpose (a GPU
+#     cluster's plan rehearsed on CPU, or a GPU whose name the type does not spell).
+# With c10d rendezvous torchrun orders nodes by (host name, agent pid), whatever --node_rank says, so the check is
+# what turns a launch in the wrong node order into one clear error instead of ranks doing the wrong machine's work.
+# Plans without `machine` fields (default_plan, make_train_plan) say nothing about placement: nothing to check but
+# the device of ranks that carry a `gpu_type`.
+
+ANY_DEVICE_ENV = "HEXRL_ANY_DEVICE"
+
+
+def plan_nodes(plan: dict) -> list[dict] | None:
+    """The plan's machines in node order: [{"machine", "gpu_type", "first", "count"}] (ranks first .. first+count-1);
+    None when the plan has no `machine` fields. PlanError if a machine's ranks are not one contiguous block."""
+    entries = sorted(plan["ranks"], key=lambda e: int(e["rank"]))
+    have = [e for e in entries if "machine" in e]
+    if not have:
+        return None
+    if len(have) != len(entries):
+        missing = [int(e["rank"]) for e in entries if "machine" not in e]
+        raise PlanError(f"plan ranks {missing} have no `machine` while others do")
+    nodes: list[dict] = []
+    for e in entries:
+        r, m = int(e["rank"]), e["machine"]
+        if nodes and nodes[-1]["machine"] == m:
+            nodes[-1]["count"] += 1
+            continue
+        if any(n["machine"] == m for n in nodes):
+            ranks = [int(x["rank"]) for x in entries if x["machine"] == m]
+            raise PlanError(
+                f"plan machine {m} holds ranks {ranks}, not one contiguous block: torchrun gives each node "
+                "a contiguous range of global ranks"
+            )
+        nodes.append({"machine": m, "gpu_type": e.get("gpu_type"), "first": r, "count": 1})
+    return nodes
+
+
+def device_name(device) -> str:
+    """What `device_matches` compares a plan's gpu_type with: "cpu", or the CUDA device's name."""
+    if device.type == "cpu":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(device)
+
+
+def device_matches(gpu_type: str, name: str) -> bool:
+    """Plan type "cpu" matches only "cpu"; a GPU type matches a device name that contains it as a whole word,
+    case-insensitive ("H800" ~ "NVIDIA H800", "A100" ~ "NVIDIA A100-SXM4-80GB"; "H20" is not "NVIDIA H200")."""
+    t, n = gpu_type.strip().lower(), name.strip().lower()
+    if t == "cpu" or n == "cpu":
+        return t == n
+    return re.search(rf"(?<![a-z0-9]){re.escape(t)}(?![a-z0-9])", n) is not None
+
+
+def _placement_problem(
+    plan: dict,
+    nodes: list[dict] | None,
+    rank: int,
+    node_rank: int,
+    local_rank: int,
+    nproc_per_node: int,
+    device: str,
+    any_device: bool,
+) -> str | None:
+    where = f"placement: rank {rank} (node {node_rank}, local rank {local_rank})"
+    if nodes is not None:
+        if not 0 <= node_rank < len(nodes):
+            return f"{where}: the plan has {len(nodes)} machine(s) (nodes 0..{len(nodes) - 1}), found node {node_rank}"
+        n = nodes[node_rank]
+        last = n["first"] + n["count"] - 1
+        if nproc_per_node != n["count"]:
+            return (
+                f"{where}: the plan puts {n['count']} rank(s) (ranks {n['first']}..{last}) on node {node_rank} "
+                f"(machine {n['machine']}), found {nproc_per_node} on that node (LOCAL_WORLD_SIZE)"
+            )
+        if rank != n["first"] + local_rank:
+            return (
+                f"{where}: the plan gives node {node_rank} (machine {n['machine']}) ranks {n['first']}..{last}, "
+                f"so local rank {local_rank} is rank {n['first'] + local_rank}, found rank {rank} (an earlier node "
+                "runs a different number of ranks than the plan gives its machine)"
+            )
+    gpu_type = _entry(plan, rank).get("gpu_type")
+    if gpu_type is not None and not any_device and not device_matches(str(gpu_type), device):
+        return (
+            f"{where}: the plan expects a {gpu_type} device, found {device!r} (launch it on a {gpu_type} node, "
+            f"or set {ANY_DEVICE_ENV}=1 to run the plan on other devices on purpose)"
+        )
+    return None
+
+
+def _entry(plan: dict, rank: int) -> dict:
+    for e in plan["ranks"]:
+        if int(e["rank"]) == rank:
+            return e
+    raise PlanError(f"plan has no entry for rank {rank}")
+
+
+def check_placement(
+    plan: dict,
+    rank: int,
+    node_rank: int,
+    local_rank: int,
+    nproc_per_node: int,
+    device_name: str,
+    any_device: bool = False,
+) -> None:
+    """One rank's placement (the mapping above); raises PlanError, one line naming the rank, what the plan
+    expects and what was found. nproc_per_node: the ranks torchrun runs on this node (LOCAL_WORLD_SIZE)."""
+    problem = _placement_problem(
+        plan, plan_nodes(plan), rank, node_rank, local_rank, nproc_per_node, device_name, any_device
+    )
+    if problem:
+        raise PlanError(problem)
+
+
+def launch_env(env) -> dict:
+    """torchrun's placement of this process: rank, node (GROUP_RANK), local_rank, nproc (LOCAL_WORLD_SIZE)."""
+    rank = int(env.get("RANK", 0))
+    return {
+        "rank": rank,
+        "node": int(env.get("GROUP_RANK", 0)),
+        "local_rank": int(env.get("LOCAL_RANK", rank)),
+        "nproc": int(env.get("LOCAL_WORLD_SIZE", env.get("WORLD_SIZE", 1))),
+    }
+
+
+def planned_role(plan: dict, rank: int) -> dict:
+    """What the plan makes of a rank, as layout.json spells it: role train|rollout|idle, replica, tp_rank (rollout:
+    the rank's place in its replica, leader 0), stage, dp, tp (train: its pipeline stage and mesh coordinates)."""
+    e = _entry(plan, rank)
+    out = {"role": e.get("role"), "replica": None, "tp_rank": None, "stage": None, "dp": None, "tp": None}
+    if e.get("role") == "train":
+        out.update(stage=e.get("pp"), dp=e.get("dp"), tp=e.get("tp"))
+        return out
+    rollout = [int(x["rank"]) for x in plan["ranks"] if x.get("role") == "rollout"]
+    replicas, idle = rollout_replicas(plan, rollout)
+    if rank in idle:
+        out["role"] = "idle"
+    for rep in replicas:
+        if rank in rep.ranks:
+            out.update(replica=rep.id, tp_rank=rep.ranks.index(rank))
+    return out
+
+
+def layout_record(plan: dict, env, device: str, runs: dict | None = None) -> dict:
+    """This rank's entry of runs/<run>/layout.json: rank, role, replica, tp_rank, stage, dp, tp (`runs`: what its
+    process groups run, ParallelGroups.what_runs(); before they exist, what the plan makes of it), node,
+    local_rank (from torchrun's env) and device (`device_name`)."""
+    where = launch_env(env)
+    return {
+        "rank": where["rank"],
+        **(runs if runs is not None else planned_role(plan, where["rank"])),
+        "node": where["node"],
+        "local_rank": where["local_rank"],
+        "device": device,
+    }
+
+
+def layout_mismatches(plan: dict, layout: list[dict], any_device: bool = False) -> list[str]:
+    """Every way a gathered layout (one layout_record per global rank, in rank order) differs from the plan, one
+    line each; [] when the launch is the plan. A node's rank count is the number of records naming that node."""
+    world = int(plan["world_size"])
+    if [rec.get("rank") for rec in layout] != list(range(world)):
+        return [f"placement: the layout lists ranks {[rec.get('rank') for rec in layout]}, the plan 0..{world - 1}"]
+    nodes = plan_nodes(plan)
+    per_node: dict[int, int] = {}
+    for rec in layout:
+        per_node[rec["node"]] = per_node.get(rec["node"], 0) + 1
+    out = []
+    for rec in layout:
+        rank = rec["rank"]
+        expected = planned_role(plan, rank)
+        got = {k: rec.get(k) for k in expected}
+        if got != expected:
+            out.append(f"placement: rank {rank}: the plan makes it {expected}, it reported {got} (another plan file?)")
+        problem = _placement_problem(
+            plan, nodes, rank, rec["node"], rec["local_rank"], per_node[rec["node"]], rec["device"], any_device
+        )
+        if problem:
+            out.append(problem)
+    return out
+
+
+def all_gather_json(obj) -> list:
+    """COLLECTIVE over the world group: every rank's JSON document, in rank order (JSON, never pickle)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+    sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64))
+    longest = int(max(s.item() for s in sizes))
+    padded = torch.zeros(longest, dtype=torch.uint8)
+    padded[: data.numel()] = data
+    bufs = [torch.empty(longest, dtype=torch.uint8) for _ in range(world)]
+    dist.all_gather(bufs, padded)
+    return [json.loads(bytes(b[: int(s.item())].numpy()).decode()) for b, s in zip(bufs, sizes)]
+
+
+def check_launch(plan: dict, device, env) -> list[dict]:
+    """COLLECTIVE over the world group (call it on every rank, after init_process_group and check_plan, before
+    build_groups): gathers every rank's layout_record and checks the whole layout against the plan. Returns the
+    layout (for the head to write as runs/<run>/layout.json). On a mismatch every rank raises the same PlanError
+    (one line: the first mismatch, and how many more), so no rank is left waiting in a collective; the train
+    script prints it once per node (train.exit_on_error)."""
+    layout = all_gather_json(layout_record(plan, env, device_name(device)))
+    problems = layout_mismatches(plan, layout, any_device=env.get(ANY_DEVICE_ENV) == "1")
+    if not problems:
+        return layout
+    more = f" (and {len(problems) - 1} more mismatch(es))" if len(problems) > 1 else ""
+    raise PlanError(problems[0] + more)

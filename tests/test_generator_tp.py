@@ -146,7 +146,7 @@ def ranks(tmp_path_factory):
             for p in ctx.processes:
                 p.kill()
             pytest.fail(f"TP ranks did not finish within {TIMEOUT_S} s (a collective out of step?)")
-    return [torch.load(d / f"rank{r}.pt") for r in range(TP)]
+    return [torch.load(d / f"rank{r}.pt", weights_only=True) for r in range(TP)]
 
 
 # ----------------------------------------------------------------------------- exactness

@@ -8,7 +8,7 @@ import pytest
 from buffer import StalenessBuffer, Trajectory
 from checkpoint import CheckpointError
 from errors import HexrlError
-from parallel.groups import RolloutReplica
+from parallel.rankmap import RolloutReplica
 from train import (
     Admission,
     DataOrder,

@@ -1,7 +1,8 @@
 """Rollout replicas as planned, end to end on CPU (tiny model, gloo): a TP-2 replica generates for the trainer,
 and losing one of its ranks loses the whole replica but no trajectory.
 
-* a TP-2 replica run: exit 0, every planned trajectory consumed exactly once within the staleness bound;
+* a TP-2 replica run beside an idle rank: exit 0, every planned trajectory consumed exactly once within the
+  staleness bound, layout.json what the plan says, the idle rank named and waiting to the end;
 * SIGSTOP a TP follower (5 ranks: 2 train, a TP-2 and a TP-1 replica): its leader stalls in the replica's
   collective, the head drops the replica, finishes with the other one and names both stuck ranks;
 * SIGKILL a TP follower, relaunch with resume=auto: nothing lost, nothing duplicated (ledger audit).
@@ -28,15 +29,17 @@ from test_fault_tolerance import (
     worker_pids,
 )
 
-from parallel.rankmap import make_train_plan
+from parallel.rankmap import layout_mismatches, make_train_plan
 
 
-def replica_plan(path: Path, num_layers: int, replicas: list[tuple[list[int], float]]) -> Path:
-    """Two DP train ranks (0, 1) and the given rollout replicas (ranks, share), all on machine 0."""
-    world = 2 + sum(len(ranks) for ranks, _ in replicas)
+def replica_plan(path: Path, num_layers: int, replicas: list[tuple[list[int], float]], idle: int = 0) -> Path:
+    """Two DP train ranks (0, 1), the given rollout replicas (ranks, share) and `idle` idle ranks, on machine 0."""
+    world = 2 + sum(len(ranks) for ranks, _ in replicas) + idle
     plan = make_train_plan(2, 1, 1, [(0, num_layers)], world_size=world)
     for entry in plan["ranks"]:
         entry.update(machine=0, gpu_type="cpu")
+    for entry in plan["ranks"][world - idle :]:
+        entry["idle"] = True
     plan["rollout"] = {
         "replicas": [
             {"id": i, "gpu_type": "cpu", "tp": len(ranks), "pp": 1, "ranks": ranks, "share": share}
@@ -51,16 +54,21 @@ def layers_of(model_dir: Path) -> int:
     return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
 
 
-def test_tp2_replica_trains_exactly_once(tmp_path, tiny_model_dir):
-    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 1.0)])
+def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(tmp_path, tiny_model_dir):
+    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 1.0)], idle=1)
     run = tmp_path / "r"
-    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}"]), tmp_path / "tp2")
+    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}"]), tmp_path / "tp2", nproc=5)
     assert finish(proc) == 0, (tmp_path / "tp2.err").read_text()[-3000:]
+    assert "[rank 4] idle: the plan gives this rank no role" in (tmp_path / "tp2.err").read_text()
     check_run(run, 1, "TP-2 replica")
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     (event,) = [m for m in lines if m.get("event") == "rollout_replicas"]
-    assert event["replicas"] == [{"id": 0, "ranks": [2, 3], "tp": 2, "share": 1.0}]
+    assert event["replicas"] == [{"id": 0, "ranks": [2, 3], "tp": 2, "share": 1.0}] and event["idle_ranks"] == [4]
     assert all(m["replica0_token_share"] == 1.0 for m in lines if "loss" in m)
+    layout = json.loads((run / "layout.json").read_text())  # what ran, rank by rank, is what was planned
+    assert layout_mismatches(json.loads(plan.read_text()), layout) == []
+    roles = [(r["role"], r["replica"], r["tp_rank"]) for r in layout[2:]]
+    assert roles == [("rollout", 0, 0), ("rollout", 0, 1), ("idle", None, None)]
 
 
 def test_stuck_tp_follower_drops_its_replica(tmp_path, tiny_model_dir):

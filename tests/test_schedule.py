@@ -319,3 +319,72 @@ def test_calibrate_recovers_known_constants():
     assert fit.per_type["H800"].hbm_eff == pytest.approx(0.31, rel=0.05)
     assert fit.link_eff == pytest.approx(0.4, rel=0.02)
     assert fit.sync_latency_s == pytest.approx(1.5, rel=0.02)
+
+
+# ----------------------------------------------------------------------------- rollout replicas: TP only, --rollout-tp
+
+
+def test_rollout_replicas_have_pp_1_and_shardable_tp():
+    """The runtime runs TP replicas only (no stage-wise decode) and never replicates KV heads."""
+    for seed in range(10):
+        cluster = random_cluster(seed)
+        for model in (SMALL_MODEL, cm.load_model_spec("deepseek-r1-distill-qwen-7b")):
+            p = sc.Planner(cluster, model, WL)
+            for t in p.types:
+                for c in p.replica_configs(t):
+                    assert c.pp == 1, (seed, t, c)
+                    assert not sc.rollout_tp_problems(model, c.tp), (seed, t, c.tp)
+                    assert c.tp <= max(m.gpus for m in cluster.machines if m.gpu_type == t)
+
+
+def test_rollout_tp_cli_plans_one_tp2_replica(tmp_path):
+    out = tmp_path / "plan.json"
+    args = "--cluster exp/clusters/cpu.yaml --model exp/tiny-model --nproc 4 --rollout-tp 2 --out".split()
+    res = run_cli(*args, str(out))
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(out.read_text())
+    check_plan(plan, cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4), cm.load_model_spec(ROOT / "exp/tiny-model"))
+    assert sum(r["role"] == "train" for r in plan["ranks"]) == 2
+    (rep,) = plan["rollout"]["replicas"]
+    assert (rep["tp"], rep["pp"], len(rep["ranks"])) == (2, 1, 2)
+    assert len({plan["ranks"][i]["machine"] for i in rep["ranks"]}) == 1
+    assert not any(r.get("idle") for r in plan["ranks"])
+    assert plan["inputs"]["rollout_tp"] == 2
+    p, _ = sc.planner_from_plan(plan)  # calibrate rebuilds the same replica space
+    assert p.rollout_tp == 2 and {c.tp for c in p.replica_configs("cpu")} == {2}
+
+
+def test_rollout_tp_on_a_multi_machine_cluster():
+    cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_24.yaml")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
+    plan = sc.plan(cluster, model, cm.Workload(prompts_per_step=64, gen_samples=[2000, 5000]), rollout_tp=4)
+    check_plan(plan, cluster, model)
+    reps = plan["rollout"]["replicas"]
+    assert reps and all(r["tp"] == 4 and r["pp"] == 1 for r in reps)
+    for r in plan["ranks"]:  # a rollout GPU outside every TP-4 group is idle, never a smaller replica
+        assert r["role"] == "train" or r["replica"] is not None or r.get("idle")
+
+
+@pytest.mark.parametrize(
+    "nproc, k, needle",
+    [
+        ("4", "3", "--rollout-tp 3 does not divide the model tiny-model's attention heads (8), KV heads (4)"),
+        ("4", "8", "KV heads (4), vocab size (388)"),  # 8 divides the 8 heads, but KV heads are not replicated
+        ("3", "4", "--rollout-tp 4: no machine has 4 GPUs of one type"),
+        ("4", "4", "role left empty"),  # one TP-4 replica takes the whole machine: no trainer left
+        ("4", "0", "--rollout-tp must be >= 1"),
+    ],
+)
+def test_rollout_tp_errors_are_one_line(nproc, k, needle):
+    res = run_cli(
+        "--cluster", "exp/clusters/cpu.yaml", "--model", "exp/tiny-model", "--nproc", nproc, "--rollout-tp", k
+    )
+    assert res.returncode == 2
+    lines = res.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
+
+
+def test_rollout_tp_error_is_not_hidden_by_a_budget_search():
+    cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    with pytest.raises(PlanError, match="--rollout-tp 3 does not divide"):
+        sc.plan(cluster, SMALL_MODEL, WL, budget=1000.0, rollout_tp=3)
