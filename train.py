@@ -378,8 +378,8 @@ class TrainHead:
     def run(self) -> None:
         cfg = self.cfg
         start_version = self.buffer.version
-        replicas = [{"id": r.id, "ranks": r.ranks, "tp": r.tp, "share": r.share} for r in self.groups.replicas]
-        self.log.event(start_version, "rollout_replicas", replicas=replicas, idle_ranks=self.groups.idle_ranks)
+        replicas = ", ".join(f"{r.id}: ranks {r.ranks} share {r.share:.3f}" for r in self.groups.replicas)
+        print(f"hexrl: rollout replicas {replicas}; idle ranks {self.groups.idle_ranks}", flush=True)
         self.await_ready()
         self.sync_weights()  # rollout ranks start bitwise equal to the trainer
         if start_version == 0 or (cfg.logging.eval_every and start_version % cfg.logging.eval_every == 0):
@@ -720,6 +720,7 @@ class StepMetrics:
             "rollout_prefill_tokens": pool.total("prefill_tokens"),
             "elapsed_s": now - self.t_start,
             **{f"replica{i}_token_share": share for i, share in pool.token_shares().items()},
+            **{f"replica{r.id}_planned_share": r.share for r in pool.replicas.values()},
         }
         self.generated_tokens = generated
         return {**stats, **rates}

@@ -60,11 +60,10 @@ def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(tmp_path, tiny_m
     proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}"]), tmp_path / "tp2", nproc=5)
     assert finish(proc) == 0, (tmp_path / "tp2.err").read_text()[-3000:]
     assert "[rank 4] idle: the plan gives this rank no role" in (tmp_path / "tp2.err").read_text()
+    assert "hexrl: rollout replicas 0: ranks [2, 3] share 1.000; idle ranks [4]" in (tmp_path / "tp2.out").read_text()
     check_run(run, 1, "TP-2 replica")
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
-    (event,) = [m for m in lines if m.get("event") == "rollout_replicas"]
-    assert event["replicas"] == [{"id": 0, "ranks": [2, 3], "tp": 2, "share": 1.0}] and event["idle_ranks"] == [4]
-    assert all(m["replica0_token_share"] == 1.0 for m in lines if "loss" in m)
+    assert all(m["replica0_token_share"] == m["replica0_planned_share"] == 1.0 for m in lines if "loss" in m)
     layout = json.loads((run / "layout.json").read_text())  # what ran, rank by rank, is what was planned
     assert layout_mismatches(json.loads(plan.read_text()), layout) == []
     roles = [(r["role"], r["replica"], r["tp_rank"]) for r in layout[2:]]
@@ -91,7 +90,7 @@ def test_stuck_tp_follower_drops_its_replica(tmp_path, tiny_model_dir):
     assert rc != 0
     assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [2, 3]" in stderr, stderr[-3000:]
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
-    assert [(e["event"], e.get("rank")) for e in events] == [("rollout_replicas", None), ("rollout_rank_lost", 2)]
+    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", 2)]
     check_run(run, 1, "SIGSTOP TP follower 3")
 
 
