@@ -197,7 +197,9 @@ class TrainHead:
         self.evals = EvalBook([r["prompt_id"] for r in test_rows])
         self.acks = WeightAcks(groups.rollout_ranks)
         self.metrics = StepMetrics()
-        self.sender = WeightSender(cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s)
+        self.sender = WeightSender(
+            cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s, resolve_dtype(cfg, device)
+        )
         self.state_dict: dict | None = None  # the weights of the current version (fp32, CPU)
         self.in_collective = False  # an error there reaches every train rank itself
         self.last_command = time.monotonic()
@@ -399,7 +401,10 @@ class TrainHead:
             stats, updated = self.train_on(batch)
             sync_s = self.sync_weights(changed=updated)
             self.grant()  # capacity grew with the version
-            self.log.step(self.metrics.step(stats, self.buffer.version, sync_s, self.pool))
+            sync_dtype = str(self.sender.dtype or "as trained").removeprefix("torch.")
+            self.log.step(
+                self.metrics.step(stats, self.buffer.version, sync_s, self.pool, self.sender.last_bytes, sync_dtype)
+            )
             self.check_finite(updated)
             v = self.buffer.version
             if (cfg.checkpoint.every and v % cfg.checkpoint.every == 0) or (
@@ -702,7 +707,15 @@ class StepMetrics:
             "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
         }
 
-    def step(self, stats: dict, version: int, weight_sync_s: float, pool: RolloutPool) -> dict:
+    def step(
+        self,
+        stats: dict,
+        version: int,
+        weight_sync_s: float,
+        pool: RolloutPool,
+        weight_sync_bytes: int = 0,
+        weight_sync_dtype: str = "",
+    ) -> dict:
         now = time.monotonic()
         step_s, self.t_last = now - self.t_last, now
         generated = pool.total("generated_tokens")
@@ -711,6 +724,8 @@ class StepMetrics:
             "version": version,
             "step_s": step_s,
             "weight_sync_s": weight_sync_s,
+            "weight_sync_bytes": weight_sync_bytes,
+            "weight_sync_dtype": weight_sync_dtype,
             "trained_tokens_per_s": stats["trained_tokens"] / step_s,
             "generated_tokens_per_s": (generated - self.generated_tokens) / step_s,
             "rollout_idle_frac": pool.idle_fraction(),

@@ -28,12 +28,20 @@ class WeightSyncError(HexrlError, RuntimeError):
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
 
+CHECKSUM_CHUNK_WORDS = 1 << 20  # int64 intermediates of at most this many words (8 MiB), whatever the bucket size
+
+
 def checksum(flat: torch.Tensor) -> int:
-    """Position-weighted integer sum of the raw bits: device-agnostic, exact, sensitive to swaps."""
+    """Position-weighted integer sum of the raw bits: device-agnostic, exact, sensitive to swaps. Computed on the
+    tensor's device a chunk at a time, so its integer intermediates never copy the whole bucket."""
     words = flat.contiguous().view(torch.uint8)
-    words = torch.nn.functional.pad(words, (0, (-words.numel()) % 4)).view(torch.int32).to(torch.int64)
-    weights = torch.arange(words.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-    return int(((words & 0xFFFFFFFF) * weights).sum().item())
+    words = torch.nn.functional.pad(words, (0, (-words.numel()) % 4)).view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=words.device)
+    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
+        chunk = words[start : start + CHECKSUM_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
+        weights = torch.arange(start, start + chunk.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
+        total += (chunk * weights).sum()
+    return int(total.item())
 
 
 def make_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[dict, torch.Tensor]]:
@@ -66,8 +74,11 @@ def make_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list
 class WeightSender:
     """Lives on the train head. Keeps in-flight buckets alive until their sends have completed."""
 
-    def __init__(self, bucket_mb: float, verify: bool, timeout_s: float):
-        self.timeout_s = timeout_s
+    def __init__(self, bucket_mb: float, verify: bool, timeout_s: float, dtype: torch.dtype | None = None):
+        """`dtype`: what the weights travel in -- the rollout model's compute dtype (bf16 on GPU), so nothing is
+        sent that the receiver would round away; None sends them as the trainer holds them."""
+        self.timeout_s, self.dtype = timeout_s, dtype
+        self.last_bytes = 0  # bytes sent for the last version, all receivers together
         self.bucket_bytes = int(bucket_mb * 2**20)
         self.verify = verify
         self.in_flight: list[tuple] = []
@@ -90,7 +101,10 @@ class WeightSender:
         """Announce and send one version; first waits (up to wait_timeout_s) for the previous one to leave."""
         t0 = time.perf_counter()
         self.wait(self.timeout_s if wait_timeout_s is None else wait_timeout_s)
+        if self.dtype is not None:
+            state_dict = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in state_dict.items()}
         buckets = [(meta, flat.to(device)) for meta, flat in make_buckets(state_dict, self.bucket_bytes)]
+        self.last_bytes = len(dst_ranks) * sum(flat.numel() * flat.element_size() for _, flat in buckets)
         metas = []
         for meta, flat in buckets:
             metas.append({**meta, "checksum": checksum(flat) if self.verify else None})

@@ -64,6 +64,13 @@ def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(tmp_path, tiny_m
     check_run(run, 1, "TP-2 replica")
     lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert all(m["replica0_token_share"] == m["replica0_planned_share"] == 1.0 for m in lines if "loss" in m)
+    import torch
+
+    weights = torch.load(run / "checkpoints" / f"step_{STEPS}" / "train_rank0.pt", weights_only=True)["trainer"]
+    model_bytes = sum(t.numel() * 4 for t in weights["model"].values())  # fp32 on CPU, sent to the one leader
+    assert all(
+        m["weight_sync_bytes"] == model_bytes and m["weight_sync_dtype"] == "float32" for m in lines if "loss" in m
+    )
     layout = json.loads((run / "layout.json").read_text())  # what ran, rank by rank, is what was planned
     assert layout_mismatches(json.loads(plan.read_text()), layout) == []
     roles = [(r["role"], r["replica"], r["tp_rank"]) for r in layout[2:]]
