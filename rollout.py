@@ -6,6 +6,8 @@ Messages from the head (parallel/channel.py), handled between decode steps:
   weights  {version, buckets}                      -> receive, verify, gen.update_weights (interruptible:
                                                       sequences in flight continue under the new version)
   eval     {version, prompt_ids}                   -> greedy accuracy on held-out prompts, answered at once
+  fetch    {group_id}                              -> the head posted its receive for a `result`: wait for that
+                                                      send, answer `delivered` (parallel/trajectories.py)
   stop     {}                                      -> answer `bye` and return
   abort    {reason}                                -> the run is over (the head has printed why): raise Aborted
 To the head: `ready` once (model loaded, generator built, reward worker started: dist.rollout_timeout_s counts
@@ -81,6 +83,7 @@ from buffer import Trajectory
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
 from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
+from parallel.trajectories import TrajectorySender
 from parallel.weight_sync import receive_weights
 from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
 
@@ -249,6 +252,7 @@ class RolloutWorker:
         )
         self.eval_gen: Generator | None = None
         self.channel = Channel([head]) if self.is_leader else None
+        self.outbox = TrajectorySender(head, cfg.dist.timeout_s)  # sent groups, kept until the head fetches them
         self.t_start = time.monotonic()
         self.idle_s = 0.0
         self.generated_tokens = 0
@@ -354,8 +358,14 @@ class RolloutWorker:
         self.scorer.submit(out, self.tok.decode(out.token_ids, skip_special_tokens=True), row["answer"])
 
     def send_results(self, groups: list[tuple[int, list[Trajectory]]]) -> None:
+        """Each group packed and sent point-to-point, then announced (`result`, with its size)."""
         for group_id, trajs in groups:
-            self.send("result", group_id=group_id, trajectories=[t.to_dict() for t in trajs], counters=self.counters())
+            self.send("result", **self.outbox.post(group_id, trajs), counters=self.counters())
+
+    def on_fetch(self, msg: dict) -> None:
+        if self.is_leader:  # a TP follower sends nothing
+            self.outbox.fetched(msg["group_id"])
+            self.send("delivered", group_id=msg["group_id"])
 
     def counters(self) -> dict:
         # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:
@@ -398,7 +408,7 @@ class RolloutWorker:
         return msgs
 
     def loop(self) -> None:
-        handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval}
+        handlers = {"grant": self.on_grant, "weights": self.on_weights, "eval": self.on_eval, "fetch": self.on_fetch}
         if self.scorer is not None:
             self.scorer.pool.wait_ready()  # a first slow-path score must not wait for math-verify's imports
         self.send("ready", counters=self.counters())

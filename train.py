@@ -63,6 +63,7 @@ from parallel.rankmap import (
     layout_record,
     load_plan,
 )
+from parallel.trajectories import PackedGroup, TrajectoryInbox, batch_control, broadcast_batch, pack, receive_batch
 from parallel.weight_sync import WeightSender
 from runlog import RunLog
 from tasks import DataError, load_task
@@ -150,7 +151,7 @@ def make_trainer(cfg: Config, groups, device: torch.device):
 
 
 def broadcast_json(obj, src: int, group) -> dict:
-    """Small documents from the train head to all train ranks (trajectories, commands)."""
+    """Small documents from the train head to all train ranks (commands; a batch's trajectories follow packed)."""
     if dist.get_rank() == src:
         data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.int64)
@@ -197,6 +198,7 @@ class TrainHead:
         self.evals = EvalBook([r["prompt_id"] for r in test_rows])
         self.acks = WeightAcks(groups.rollout_ranks)
         self.metrics = StepMetrics()
+        self.inbox = TrajectoryInbox()  # receives posted for the groups rollout leaders announced
         self.sender = WeightSender(
             cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s, resolve_dtype(cfg, device)
         )
@@ -223,8 +225,14 @@ class TrainHead:
         kind = msg["kind"]
         if src in self.pool.lost:  # a dropped rank woke up: its work was re-queued already
             return
-        if kind == "result":
+        if kind == "result" and "trajectories" in msg:  # as JSON (in-process tests)
             self.buffer.complete(msg["group_id"], [Trajectory.from_dict(t) for t in msg["trajectories"]])
+            self.pool.finished(src)
+        elif kind == "result":  # packed, on its way: post the receive, wait for it once delivered (no deadline)
+            self.inbox.expect(src, msg["group_id"], msg["nbytes"])
+            self.channel.send(src, "fetch", group_id=msg["group_id"])
+        elif kind == "delivered":
+            self.buffer.complete(msg["group_id"], self.inbox.take(src, msg["group_id"]))
             self.pool.finished(src)
         elif kind == "eval_result":
             self.log_evals(self.evals.record(msg["version"], src, msg["correct"]))
@@ -341,9 +349,12 @@ class TrainHead:
             trajs.extend(group)
         finite_inputs = all(math.isfinite(t.advantage) and all(map(math.isfinite, t.behav_logprobs)) for t in trajs)
         t0 = time.perf_counter()
-        if finite_inputs:
-            self.command("train", trajectories=[t.to_dict() for t in trajs])
+        if finite_inputs:  # the groups' bytes as they arrived (groups restored from a checkpoint: packed now)
+            packed = [group.packed if isinstance(group, PackedGroup) else pack(group) for _ticket, group in batch]
+            advantages = [t.advantage for t in trajs]
+            self.command("train", **batch_control(packed, advantages))
             with self.collective():
+                broadcast_batch(packed, advantages, src=self.groups.train_ranks[0], group=self.groups.train_group)
                 stats = self.trainer.train_step(trajs)
         else:
             stats = {"loss": float("nan"), "grad_norm": float("nan"), "trained_tokens": 0.0}
@@ -464,7 +475,7 @@ def run_train_follower(groups, trainer) -> None:
         if kind == "abort":
             raise Aborted(cmd["reason"])
         if kind == "train":
-            trainer.train_step([Trajectory.from_dict(t) for t in cmd["trajectories"]])
+            trainer.train_step(receive_batch(cmd, head, groups.train_group))
             trainer.gather_full_state_dict()
         elif kind == "checkpoint":
             save_train_shard(trainer, Path(cmd["dir"]), dist.get_rank())
