@@ -84,7 +84,7 @@ from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
 from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
 from parallel.trajectories import TrajectorySender
-from parallel.weight_sync import receive_weights
+from parallel.weight_sync import receive_buckets
 from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
 
 ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -305,12 +305,19 @@ class RolloutWorker:
                 )
 
     def on_weights(self, msg: dict) -> None:
-        state_dict = (
-            receive_weights(msg, self.head, self.device, self.cfg.dist.verify_weights) if self.is_leader else None
-        )
-        if self.replica is not None:  # only the leader receives from the head; it hands the version on
-            state_dict = self.replica.share_weights(state_dict)
-        self.gen.update_weights(state_dict, msg["version"])
+        """Bucket by bucket: each is received (by the leader, which hands it to its followers), applied, and
+        dropped before the next, so a rank holds one bucket of the new version, not a second model. The version
+        switches with the last bucket, and no decode step runs in between."""
+        n = len(msg["buckets"])
+        buckets = receive_buckets(msg, self.head, self.device, self.cfg.dist.verify_weights) if self.is_leader else None
+        for i in range(n):
+            bucket = next(buckets) if buckets is not None else None
+            if self.replica is not None:  # only the leader receives from the head
+                bucket = self.replica.share_weights(bucket)
+            self.gen.update_weights(bucket, msg["version"], last=i == n - 1)
+            del bucket
+        if n == 0:
+            self.gen.update_weights({}, msg["version"])
         self.send("weights_ok", version=msg["version"])  # the head may now reuse the send buffers
 
     @torch.no_grad()
@@ -1250,9 +1257,16 @@ class Generator:
 
     @torch.no_grad()
     def update_weights(
-        self, weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]], version: int
+        self,
+        weights: Mapping[str, torch.Tensor] | Iterable[tuple[str, torch.Tensor]],
+        version: int,
+        *,
+        last: bool = True,
     ) -> None:
         """Copy HF-named tensors (all of `model.state_dict()` or any bucket of it) into the model.
+
+        A version sent in buckets is applied with one call per bucket, `last=True` on the final one: only then does
+        the generator's version switch (and, in recompute mode, the in-flight sequences get marked for re-prefill).
 
         Allowed between step() calls. With tied embeddings either key updates the shared tensor.
         Under TP the tensors are the full HF ones (what the trainer's weight sync sends); each rank copies its slice.
@@ -1275,6 +1289,8 @@ class Generator:
             if tuple(tensor.shape) != shape:
                 raise ValueError(f"update_weights: {name!r} has shape {tuple(tensor.shape)}, model expects {shape}")
             target.copy_(slice_shard(tensor, dim, self.tp_rank, self.tp))
+        if not last:
+            return
         self.version = version
         self.stats.weight_updates += 1
         if self.interrupt_mode == "recompute":

@@ -2,8 +2,9 @@
 
 The train head announces a version on the control channel (bucket layout + one checksum per bucket),
 then sends each bucket as one flat tensor (gloo on CPU, NCCL on GPU: the bucket lives on the sender's
-device). The rollout side receives into buffers of the announced sizes, verifies the checksums when
-asked to, and rebuilds the state dict with HF names and shapes — bitwise what the trainer holds.
+device), in the rollout model's compute dtype. The rollout side receives one bucket at a time into a buffer of
+the announced size, verifies its checksum when asked to, and applies it (HF names and shapes, bitwise what was
+sent) before receiving the next; the version switches with the last bucket.
 A mismatch raises WeightSyncError (the rollout rank stops rather than generate with corrupted weights);
 a rollout rank that does not take its buckets within the deadline is named in a PeerTimeout.
 """
@@ -11,6 +12,7 @@ a rollout rank that does not take its buckets within the deadline is named in a 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -140,9 +142,10 @@ class WeightSender:
         self.in_flight = [x for x in self.in_flight if x[0] != rank]
 
 
-def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> dict[str, torch.Tensor]:
-    """Receive the buckets announced by a `weights` message; returns the HF-named state dict."""
-    state_dict = {}
+def receive_buckets(msg: dict, src: int, device: torch.device, verify: bool) -> Iterator[dict[str, torch.Tensor]]:
+    """Receive the buckets announced by a `weights` message one at a time: yields each bucket's HF-named tensors
+    (views of its one flat buffer), so a receiver that applies each before asking for the next holds one bucket,
+    never the whole model."""
     for meta in msg["buckets"]:
         flat = torch.empty(meta["numel"], dtype=DTYPES[meta["dtype"]], device=device)
         dist.recv(flat, src=src, tag=WEIGHT_TAG)  # sent right after the announcement; PG timeout applies
@@ -151,11 +154,17 @@ def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> 
                 f"weight checksum mismatch for version {msg['version']} "
                 f"(bucket starting at {meta['names'][0]}): corrupted in transfer"
             )
-        offset = 0
+        bucket, offset = {}, 0
         for name, shape in zip(meta["names"], meta["shapes"]):
             n = 1
             for s in shape:
                 n *= s
-            state_dict[name] = flat[offset : offset + n].view(shape)
+            bucket[name] = flat[offset : offset + n].view(shape)
             offset += n
-    return state_dict
+        del flat
+        yield bucket
+
+
+def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> dict[str, torch.Tensor]:
+    """The whole announced state dict at once (tests and tools; rollout ranks apply bucket by bucket)."""
+    return {name: t for bucket in receive_buckets(msg, src, device, verify) for name, t in bucket.items()}

@@ -57,7 +57,9 @@ def layers_of(model_dir: Path) -> int:
 def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(tmp_path, tiny_model_dir):
     plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 1.0)], idle=1)
     run = tmp_path / "r"
-    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}"]), tmp_path / "tp2", nproc=5)
+    # small weight buckets: every version reaches the TP ranks in many pieces, applied one at a time
+    args = base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}", "dist.weight_bucket_mb=0.02"])
+    proc = launch(args, tmp_path / "tp2", nproc=5)
     assert finish(proc) == 0, (tmp_path / "tp2.err").read_text()[-3000:]
     assert "[rank 4] idle: the plan gives this rank no role" in (tmp_path / "tp2.err").read_text()
     assert "hexrl: rollout replicas 0: ranks [2, 3] share 1.000; idle ranks [4]" in (tmp_path / "tp2.out").read_text()

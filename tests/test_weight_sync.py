@@ -32,3 +32,64 @@ def test_checksum_sees_a_swap_and_a_one_ulp_change():
     nudged = flat.clone()
     nudged.view(torch.int32)[5] += 1
     assert len({checksum(flat), checksum(swapped), checksum(nudged)}) == 3
+
+
+# ---------------------------------------------------------------------------------------------- bucket by bucket
+def swap_in_buckets(kind: str, bucket_names: int | None):
+    """Generate 4 tokens, swap to new weights (all at once, or `bucket_names` names per call), generate on."""
+    import copy
+
+    from test_generator import PROMPTS, make_model, perturbed_state_dict
+
+    from rollout import Generator, SamplingParams
+
+    model = make_model(kind)
+    new = perturbed_state_dict(copy.deepcopy(model), seed=7)
+    gen = Generator(model, max_batch_size=4, max_seq_len=64)
+    params = SamplingParams(temperature=1.0, max_new_tokens=12, seed=3)
+    for i, prompt in enumerate(PROMPTS[:3]):
+        gen.add_request(i, prompt, params)
+    outs = {}
+    for _ in range(4):
+        outs.update((o.request_id, o) for o in gen.step())
+    items = list(new.items())
+    if bucket_names is None:
+        gen.update_weights(new, version=1)
+    else:
+        chunks = [dict(items[i : i + bucket_names]) for i in range(0, len(items), bucket_names)]
+        for j, chunk in enumerate(chunks):
+            gen.update_weights(chunk, version=1, last=j == len(chunks) - 1)
+            if j < len(chunks) - 1:  # mid-version: still the old one, nothing marked for re-prefill yet
+                assert gen.version == 0 and not any(r is not None and r.needs_prefill for r in gen.slots)
+    assert gen.version == 1
+    while gen.num_unfinished():
+        outs.update((o.request_id, o) for o in gen.step())
+    return [(o.token_ids, o.logprobs, o.versions) for _, o in sorted(outs.items())]
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_a_version_applied_bucket_by_bucket_equals_one_update(kind):
+    assert swap_in_buckets(kind, 3) == swap_in_buckets(kind, None)
+
+
+def test_receive_buckets_holds_one_bucket_at_a_time(monkeypatch):
+    """A receiver applying each bucket before the next never has two buckets' buffers alive at once."""
+    import gc
+    import weakref
+
+    from parallel.weight_sync import make_buckets, receive_buckets
+
+    sd = {f"w{i}": torch.randn(256) for i in range(40)}  # 40 kB of weights in ~2 kB buckets: 20 buckets
+    buckets = make_buckets(sd, 2048)
+    sent = iter(flat for _, flat in buckets)
+    monkeypatch.setattr(weight_sync.dist, "recv", lambda t, src, tag: t.copy_(next(sent)))
+    msg = {"version": 1, "buckets": [{**meta, "checksum": checksum(flat)} for meta, flat in buckets]}
+    alive, got = [], {}
+    for bucket in receive_buckets(msg, 0, torch.device("cpu"), verify=True):
+        gc.collect()
+        alive = [r for r in alive if r() is not None]
+        assert not alive, "an earlier bucket's buffer is still alive"
+        got.update((n, t.clone()) for n, t in bucket.items())
+        alive.append(weakref.ref(next(iter(bucket.values()))._base))
+        del bucket
+    assert len(buckets) >= 20 and all(torch.equal(got[n], t) for n, t in sd.items())
