@@ -87,6 +87,7 @@ class TrainConfig:
     micro_batch_tokens: int = 8192
     min_microbatches: int = 0  # per DP rank and minibatch; 0 = the pipeline depth (keeps every stage busy)
     grad_bucket_mb: float = 25.0  # DP gradient all-reduce bucket
+    logprob_chunk_tokens: int = 1024  # log-probs / entropy this many tokens at a time (0 = a micro-batch at once)
     advantage_eps: float = 1e-6
     max_nonfinite_steps: int = 3  # skip a non-finite loss; stop after this many in a row
     seed: int = 1
@@ -274,6 +275,7 @@ def validate(cfg: Config) -> None:
         (cfg.train.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)"),
         (cfg.train.behav_imp_weight_cap >= 0, "train.behav_imp_weight_cap must be >= 0 (0 = no cap)"),
         (cfg.train.min_microbatches >= 0, "train.min_microbatches must be >= 0 (0 = the pipeline depth)"),
+        (cfg.train.logprob_chunk_tokens >= 0, "train.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
         (cfg.rollout.max_seq_len > cfg.rollout.max_new_tokens, "rollout.max_seq_len must exceed max_new_tokens"),
         (len(cfg.train.betas) == 2, "train.betas must be a list of two floats"),
     ]
@@ -302,6 +304,7 @@ RESUMABLE_KEYS = {
     "plan.path",
     "plan.num_rollout",
     "rollout.max_pending_scores",
+    "train.logprob_chunk_tokens",  # memory only: the values are the same
     *MOVED,  # a checkpoint written before the move holds them under plan.*
     *MOVED.values(),
 }

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------------------
 # decoupled PPO (AReaL): three policies, pi_theta (current), pi_prox (proximal), pi_behav (behaviour / rollout)
@@ -114,6 +115,22 @@ def token_logprobs_and_entropy(
     logp = logp_all.gather(-1, targets.long().unsqueeze(-1)).squeeze(-1)
     entropy = -(logp_all.exp() * logp_all).sum(-1)
     return logp, entropy
+
+
+def chunked_over_tokens(fn, logits: torch.Tensor, targets: torch.Tensor, chunk_tokens: int):
+    """fn(logits, targets) -> (logp, entropy), applied to slices of `chunk_tokens` tokens (the last dim of
+    `targets`), so the fp32 [tokens, vocab] softmax exists for one chunk at a time, never for a whole micro-batch.
+    Under autograd each chunk is checkpointed (torch.utils.checkpoint): its softmax is recomputed in backward
+    instead of kept. Same values and gradients as one call, row by row (chunk_tokens 0: one call)."""
+    n = targets.shape[-1]
+    if chunk_tokens <= 0 or n <= chunk_tokens:
+        return fn(logits, targets)
+    keep_graph = torch.is_grad_enabled() and logits.requires_grad
+    parts = []
+    for start in range(0, n, chunk_tokens):
+        piece = (logits[..., start : start + chunk_tokens, :], targets[..., start : start + chunk_tokens])
+        parts.append(checkpoint(fn, *piece, use_reentrant=False) if keep_graph else fn(*piece))
+    return torch.cat([p[0] for p in parts], -1), torch.cat([p[1] for p in parts], -1)
 
 
 # ----------------------------------------------------------------------------------------------------------------

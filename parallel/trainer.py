@@ -24,7 +24,12 @@ import torch.distributed as dist
 from config import TrainConfig
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
-from parallel.ppo import decoupled_ppo_terms, token_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
+from parallel.ppo import (
+    chunked_over_tokens,
+    decoupled_ppo_terms,
+    token_logprobs_and_entropy,
+    vocab_parallel_logprobs_and_entropy,
+)
 from parallel.tensor_parallel import DecoderStage, PackedSeqs, packed_position_ids
 
 
@@ -193,12 +198,20 @@ class Trainer:
         return out if self.groups.is_last_stage else out.float()
 
     def _logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-token log-prob and entropy, train.logprob_chunk_tokens tokens at a time (parallel/ppo.py)."""
         g = self.groups
         if g.tp == 1:
-            return token_logprobs_and_entropy(local_logits, targets, self.temperature)
-        return vocab_parallel_logprobs_and_entropy(
-            local_logits, targets, self.stage.vocab_start, g.tp_group, self.temperature
-        )
+
+            def fn(logits, tgt):
+                return token_logprobs_and_entropy(logits, tgt, self.temperature)
+        else:
+
+            def fn(logits, tgt):
+                return vocab_parallel_logprobs_and_entropy(
+                    logits, tgt, self.stage.vocab_start, g.tp_group, self.temperature
+                )
+
+        return chunked_over_tokens(fn, local_logits, targets, self.cfg.logprob_chunk_tokens)
 
     def _act_shape(self, micro: list[MicroBatch]):
         hidden = self.hf_config.hidden_size

@@ -11,7 +11,12 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from parallel.ppo import decoupled_ppo_loss, token_logprobs_and_entropy, vocab_parallel_logprobs_and_entropy
+from parallel.ppo import (
+    chunked_over_tokens,
+    decoupled_ppo_loss,
+    token_logprobs_and_entropy,
+    vocab_parallel_logprobs_and_entropy,
+)
 
 torch.set_num_threads(1)
 
@@ -171,11 +176,20 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
     local = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_()
     lp, ent = vocab_parallel_logprobs_and_entropy(local, targets, rank * shard, dist.group.WORLD, temperature)
     ((lp * coef_lp).sum() + (ent * coef_ent).sum()).backward()
+
+    def vocab_parallel(x, t):
+        return vocab_parallel_logprobs_and_entropy(x, t, rank * shard, dist.group.WORLD, temperature)
+
+    chunked = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    lp_c, ent_c = chunked_over_tokens(vocab_parallel, chunked, targets, 2)  # 5 tokens: chunks of 2, 2, 1
+    ((lp_c * coef_lp).sum() + (ent_c * coef_ent).sum()).backward()
     torch.save(
         {
             "lp": (lp - lp_ref).abs().max().item(),
             "ent": (ent - ent_ref).abs().max().item(),
             "grad": (local.grad - ref.grad[..., rank * shard : (rank + 1) * shard]).abs().max().item(),
+            "chunked": max((lp_c - lp).abs().max().item(), (ent_c - ent).abs().max().item()),
+            "chunked_grad": (chunked.grad - local.grad).abs().max().item(),
         },
         os.path.join(out_dir, f"{rank}.pt"),
     )
@@ -189,3 +203,26 @@ def test_vocab_parallel_matches_full_vocab():
         for rank in range(2):
             err = torch.load(os.path.join(d, f"{rank}.pt"), weights_only=True)
             assert err["lp"] < 1e-5 and err["ent"] < 1e-5 and err["grad"] < 1e-5, err
+            assert err["chunked"] <= 1e-6 and err["chunked_grad"] <= 1e-6, err
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 16, 0])
+def test_chunked_logprobs_equal_one_call_in_values_and_gradients(chunk):
+    g = torch.Generator().manual_seed(chunk)
+    logits = (torch.randn(1, 13, 50, generator=g) * 3).requires_grad_()
+    targets = torch.randint(0, 50, (1, 13), generator=g)
+    coef = torch.randn(2, 1, 13, generator=g)
+
+    def fn(x, t):
+        return token_logprobs_and_entropy(x, t, 0.8)
+
+    lp, ent = fn(logits, targets)
+    ((lp * coef[0]).sum() + (ent * coef[1]).sum()).backward()
+    grad, logits.grad = logits.grad.clone(), None
+    lp_c, ent_c = chunked_over_tokens(fn, logits, targets, chunk)
+    ((lp_c * coef[0]).sum() + (ent_c * coef[1]).sum()).backward()
+    assert (lp_c - lp).abs().max() <= 1e-6 and (ent_c - ent).abs().max() <= 1e-6
+    assert (logits.grad - grad).abs().max() <= 1e-6
+    with torch.no_grad():  # forward only (pi_prox recompute): plain chunks, same values
+        lp_n, _ = chunked_over_tokens(fn, logits, targets, chunk)
+    assert (lp_n - lp).abs().max() <= 1e-6
