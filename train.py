@@ -225,10 +225,7 @@ class TrainHead:
         kind = msg["kind"]
         if src in self.pool.lost:  # a dropped rank woke up: its work was re-queued already
             return
-        if kind == "result" and "trajectories" in msg:  # as JSON (in-process tests)
-            self.buffer.complete(msg["group_id"], [Trajectory.from_dict(t) for t in msg["trajectories"]])
-            self.pool.finished(src)
-        elif kind == "result":  # packed, on its way: post the receive, wait for it once delivered (no deadline)
+        if kind == "result":  # packed, on its way: post the receive, wait for it once delivered (no deadline)
             self.inbox.expect(src, msg["group_id"], msg["nbytes"])
             self.channel.send(src, "fetch", group_id=msg["group_id"])
         elif kind == "delivered":

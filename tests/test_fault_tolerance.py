@@ -229,6 +229,16 @@ class RecordingChannel:
         return []
 
 
+class DeliveredInbox:
+    """TrajectoryInbox's interface, in process: the groups a rollout rank has delivered, by (rank, group id)."""
+
+    def __init__(self):
+        self.groups = {}
+
+    def take(self, src, group_id):
+        return self.groups.pop((src, group_id))
+
+
 class RecordingSender:
     """WeightSender's interface: version 0 is in flight to every rollout rank until `send` is called again."""
 
@@ -300,18 +310,11 @@ def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(wo
     head.buffer.weights_sent(0)
     head.grant()  # (0 + eta + 1) * B = 4 groups, 2 per rank
     assert sorted(t.rank for t in head.buffer.in_flight.values()) == [1, 1, 2, 2]
+    head.inbox = DeliveredInbox()
     for ticket in [t for t in head.buffer.in_flight.values() if t.rank == 1]:
-        head.handle(
-            1,
-            {
-                "kind": "result",
-                "group_id": ticket.group_id,
-                "counters": {},
-                "trajectories": [
-                    Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id).to_dict()
-                ],
-            },
-        )
+        traj = Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id)
+        head.inbox.groups[(1, ticket.group_id)] = [traj]
+        head.handle(1, {"kind": "delivered", "group_id": ticket.group_id, "counters": {}})
     head.acks.taken(1, 0)  # rank 1 acknowledged version 0; rank 2 is stuck
     head.buffer.take()  # version 1
     sent_before = len(channel.sent)
