@@ -569,11 +569,131 @@ def train_tokens_per_s(wl: Workload, train_s: float) -> float:
 # ----------------------------------------------------------------------------- weight sync, step
 
 
-def sync_seconds(model: ModelSpec, wl: Workload, eff: Efficiency, gbps: float, fraction: float = 1.0) -> float:
-    """C_UPDATE of `fraction` of the weights over one trainer->rollout-machine link: latency + bytes / (eff * bw).
-    The planner sums this over pipeline stages (one NIC receives them in turn) and takes the slowest rollout
-    machine: NCCL broadcast is pipelined, so the fan-out inside a machine and across replicas overlaps."""
-    return eff.sync_latency_s + fraction * model.params * wl.bytes / (eff.link_eff * gbps * 1e9)
+SYNC_CHECKSUM_BYTES = 8  # each bucket carries its int64 checksum after its payload (padded to 8 bytes)
+
+
+@dataclass(frozen=True)
+class SyncBucket:
+    """One weight-sync bucket: consecutive HF tensors of one pipeline stage, in one dtype."""
+
+    stage: int
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+    itemsize: int
+
+    @property
+    def payload_bytes(self) -> int:
+        return sum(self.numels) * self.itemsize
+
+    @property
+    def wire_bytes(self) -> int:
+        """What one send of this bucket moves: the payload padded to 8 bytes, then its checksum."""
+        return -(-self.payload_bytes // 8) * 8 + SYNC_CHECKSUM_BYTES
+
+
+def hf_param_table(model: ModelSpec) -> list[tuple[str, int]]:
+    """The HF Llama / Qwen2 / Mistral state dict as weight sync sends it: (name, numel) in state-dict order; a tied
+    model sends no lm_head (the receiver's lm_head is its embedding)."""
+    q, kv, h = model.heads * model.head_dim, model.kv_heads * model.head_dim, model.hidden
+    out = [("model.embed_tokens.weight", model.vocab * h)]
+    for i in range(model.layers):
+        p = f"model.layers.{i}."
+        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
+            out.append((f"{p}self_attn.{proj}.weight", rows * h))
+            if model.qkv_bias:
+                out.append((f"{p}self_attn.{proj}.bias", rows))
+        out.append((f"{p}self_attn.o_proj.weight", h * q))
+        out += [(f"{p}mlp.{m}_proj.weight", h * model.intermediate) for m in ("gate", "up", "down")]
+        out += [(f"{p}input_layernorm.weight", h), (f"{p}post_attention_layernorm.weight", h)]
+    out.append(("model.norm.weight", h))
+    if not model.tied:
+        out.append(("lm_head.weight", model.vocab * h))
+    return out
+
+
+def param_stage(name: str, stage_layers: list[tuple[int, int]]) -> int:
+    """The pipeline stage that owns an HF tensor: embeddings on the first, the final norm and head on the last."""
+    if name.startswith("model.embed_tokens"):
+        return 0
+    if name.startswith("model.layers."):
+        layer = int(name.split(".")[2])
+        return next(s for s, (a, b) in enumerate(stage_layers) if a <= layer < b)
+    return len(stage_layers) - 1
+
+
+def sync_buckets(
+    params: list[tuple[str, int]], stage_layers: list[tuple[int, int]], itemsize: int, bucket_bytes: int
+) -> list[SyncBucket]:
+    """THE weight-sync schedule, for the runtime (which sends exactly these buckets) and the planner (which prices
+    them): per stage in order, consecutive tensors packed while the payload stays within `bucket_bytes`; a tensor
+    larger than that travels alone."""
+    by_stage: dict[int, list[tuple[str, int]]] = {}
+    for name, numel in params:
+        by_stage.setdefault(param_stage(name, stage_layers), []).append((name, numel))
+    out = []
+    for stage in sorted(by_stage):
+        names: list[str] = []
+        numels: list[int] = []
+        for name, numel in by_stage[stage]:
+            if names and (sum(numels) + numel) * itemsize > bucket_bytes:
+                out.append(SyncBucket(stage, tuple(names), tuple(numels), itemsize))
+                names, numels = [], []
+            names.append(name)
+            numels.append(numel)
+        if names:
+            out.append(SyncBucket(stage, tuple(names), tuple(numels), itemsize))
+    return out
+
+
+def sync_bytes_sent(buckets: list[SyncBucket], rollout_machines: int) -> int:
+    """Bytes the train ranks send per version: each bucket once to one receiver (relay) per rollout machine."""
+    return rollout_machines * sum(b.wire_bytes for b in buckets)
+
+
+def assign_senders(owner_machines: list[list[int]], rollout_machines: list[int], gbps) -> dict[tuple[int, int], int]:
+    """(stage, rollout machine) -> the DP replica whose owner of that stage sends it its buckets. Every DP replica
+    holds the same weights, so each rollout machine takes each stage from its best-connected replica, ties going to
+    the least-loaded one: the fan-out spreads over the DP replicas. `owner_machines[stage][dp]` is where that
+    owner runs; `gbps(a, b)` the bandwidth between machines a and b. The runtime and the planner both call this."""
+    load: dict[tuple[int, int], int] = {}
+    out: dict[tuple[int, int], int] = {}
+    for m in sorted(rollout_machines):
+        for stage, machines in enumerate(owner_machines):
+            dp = max(range(len(machines)), key=lambda d: (gbps(machines[d], m), -load.get((stage, d), 0), -d))
+            out[(stage, m)] = dp
+            load[(stage, dp)] = load.get((stage, dp), 0) + 1
+    return out
+
+
+def sync_seconds(
+    buckets: list[SyncBucket],
+    replicas_per_machine: dict[int, int],
+    owner_machines: list[list[int]],
+    gbps,
+    eff: Efficiency,
+) -> float:
+    """C_UPDATE of one version as the runtime runs it (parallel/weight_sync.py): each rollout machine's relay takes
+    every stage from the owner assign_senders picks and forwards each bucket to the machine's other replicas while
+    the next one arrives. `gbps(a, b)`: machine-to-machine bandwidth (a == b: inside a machine). The slowest of: a
+    relay receiving every stage in turn, a relay forwarding to its k - 1 machine-mates, an owner sending its stage
+    to every machine assigned to it; plus a fixed latency."""
+    stage_bytes: dict[int, int] = {}
+    for b in buckets:
+        stage_bytes[b.stage] = stage_bytes.get(b.stage, 0) + b.wire_bytes
+    total = sum(stage_bytes.values())
+    senders = assign_senders(owner_machines, list(replicas_per_machine), gbps)
+    slowest = 0.0
+    sending: dict[tuple[int, int], float] = {}
+    for m, k in replicas_per_machine.items():
+        receive = 0.0
+        for s, n in stage_bytes.items():
+            src = owner_machines[s][senders[(s, m)]]
+            seconds = n / (gbps(src, m) * 1e9)
+            receive += seconds
+            sending[(s, senders[(s, m)])] = sending.get((s, senders[(s, m)]), 0.0) + seconds
+        slowest = max(slowest, receive, (k - 1) * total / (gbps(m, m) * 1e9))
+    slowest = max([slowest, *sending.values()])
+    return eff.sync_latency_s + slowest / eff.link_eff
 
 
 def step_seconds(rollout_s: float, train_s: float, sync_s: float, wl: Workload) -> float:

@@ -149,6 +149,7 @@ class Planner:
         max_seconds: float = 10.0,
         forced_layout: tuple[int, int, int] | None = None,
         rollout_tp: int | None = None,
+        weight_bucket_mb: float = 64.0,
     ) -> None:
         if rollout_tp is not None:
             check_rollout_tp(cluster, model, rollout_tp)
@@ -157,6 +158,8 @@ class Planner:
         self.max_seconds = max_seconds
         self.forced_layout = forced_layout
         self.rollout_tp = rollout_tp
+        self.weight_bucket_mb = weight_bucket_mb  # dist.weight_bucket_mb of the run: the sync schedule's bucket
+        self._sync_cache: dict[tuple, list[cm.SyncBucket]] = {}
         self.stats = SolverStats()
         # global GPU ids in cluster order; machine m owns ids first[m] .. first[m] + gpus - 1
         self.first, n = [], 0
@@ -408,6 +411,31 @@ class Planner:
                 out.append((c, ids))
         return out
 
+    # ------------------------------------------------------------------ weight sync, as the runtime runs it
+    def sync_buckets(self, train: TrainPlan) -> list[cm.SyncBucket]:
+        """The buckets parallel/weight_sync.py sends for this training plan (cm.sync_buckets, one function)."""
+        ranges, start = [], 0
+        for _, layers, _ in train.stages:
+            ranges.append((start, start + layers))
+            start += layers
+        key = tuple(ranges)
+        if key not in self._sync_cache:
+            table = cm.hf_param_table(self.model)
+            self._sync_cache[key] = cm.sync_buckets(table, ranges, self.wl.bytes, int(self.weight_bucket_mb * 2**20))
+        return self._sync_cache[key]
+
+    def rollout_machines(self, rollout) -> dict[int, int]:
+        """Rollout machine -> its number of replicas (each machine gets one copy; its relay forwards the rest)."""
+        out: dict[int, int] = {}
+        for _, ids in rollout.replicas:
+            m = self.gpu_machine[ids[0]]
+            out[m] = out.get(m, 0) + 1
+        return out
+
+    def owner_machines(self, train: TrainPlan) -> list[list[int]]:
+        """[stage][dp] -> the machine of that DP replica's owner of the stage (its tp 0 GPU)."""
+        return [[self.gpu_machine[ids[d * train.tp]] for d in range(train.dp)] for _, _, ids in train.stages]
+
     # ------------------------------------------------------------------ evaluate one partition
     def evaluate(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> Evaluation:
         key = train_counts + ((1,) if exhaustive else ())
@@ -425,24 +453,12 @@ class Planner:
             )
         sync_s = inf
         if train and rollout:
-            # each rollout machine pulls every stage's weights from its best-connected machine of that stage
-            stage_machines = [({self.gpu_machine[i] for i in ids}, layers) for _, layers, ids in train.stages]
-            roll_m = {self.gpu_machine[i] for _, ids in rollout.replicas for i in ids}
-            sync_s = (
-                max(
-                    sum(
-                        cm.sync_seconds(
-                            self.model,
-                            self.wl,
-                            self.eff,
-                            max(self.cluster.link_gbps(r, t) for t in ms),
-                            layers / self.model.layers,
-                        )
-                        for ms, layers in stage_machines
-                    )
-                    for r in roll_m
-                )
-                - (len(stage_machines) - 1) * self.eff.sync_latency_s
+            sync_s = cm.sync_seconds(
+                self.sync_buckets(train),
+                self.rollout_machines(rollout),
+                self.owner_machines(train),
+                self.cluster.link_gbps,
+                self.eff,
             )
         step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl) if math.isfinite(sync_s) else inf
         ev = Evaluation(
@@ -747,6 +763,7 @@ def plan(
     exhaustive: bool = False,
     train_layout: tuple[int, int, int] | None = None,
     rollout_tp: int | None = None,
+    weight_bucket_mb: float = 64.0,
     max_seconds: float = 10.0,
 ) -> dict:
     """The planner's entry point: best plan as the plan-JSON dict. budget: max throughput among whole-machine
@@ -759,7 +776,7 @@ def plan(
         check_rollout_tp(cluster, model, rollout_tp)
 
     def run(c: Cluster) -> tuple[Planner, Evaluation]:
-        p = Planner(c, model, wl, eff, max_seconds, train_layout, rollout_tp)
+        p = Planner(c, model, wl, eff, max_seconds, train_layout, rollout_tp, weight_bucket_mb)
         return p, (p.exhaustive() if exhaustive else p.solve())
 
     if budget is None and min_tokens_per_s is None:
@@ -876,6 +893,7 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "rollout_s": ev.rollout_s,
         "train_s": ev.train_s,
         "sync_s": ev.sync_s,
+        "sync_bytes": cm.sync_bytes_sent(p.sync_buckets(tr), len(p.rollout_machines(ev.rollout))),
         "reward_s": p.wl.reward_s,
         "step_s": ev.step_s,
         "tokens_per_s": ev.tokens_per_s,
@@ -906,6 +924,7 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
             "model": p.model.to_config(),
             "workload": p.wl.to_dict(),
             "efficiency": p.eff.to_dict(),
+            "weight_bucket_mb": p.weight_bucket_mb,
             **({"rollout_tp": p.rollout_tp} if p.rollout_tp is not None else {}),
         },
     }
@@ -1132,6 +1151,7 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--min-tokens-per-s", type=float, default=None, help="cheapest sub-cluster reaching this")
     ap.add_argument("--train-layout", default=None, help="force the trainer layout dp,tp,pp")
     ap.add_argument("--rollout-tp", type=int, default=None, help="force TP degree K for every rollout replica")
+    ap.add_argument("--weight-bucket-mb", type=float, default=64.0, help="the run's dist.weight_bucket_mb")
     ap.add_argument("--exhaustive", action="store_true", help="brute force the same space (small clusters)")
     ap.add_argument("--max-seconds", type=float, default=10.0, help="time limit of every MILP solve")
     ap.add_argument("--out", default=None, help="plan JSON path")
@@ -1151,6 +1171,7 @@ def plan_main(argv: list[str]) -> int:
         exhaustive=a.exhaustive,
         train_layout=parse_layout(a.train_layout),
         rollout_tp=a.rollout_tp,
+        weight_bucket_mb=a.weight_bucket_mb,
         max_seconds=a.max_seconds,
     )
     if not a.quiet:
@@ -1214,6 +1235,7 @@ def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
         Workload(**inp["workload"]),
         Efficiency.from_dict(inp["efficiency"]),
         rollout_tp=inp.get("rollout_tp"),
+        weight_bucket_mb=inp.get("weight_bucket_mb", 64.0),
     )
     counts = [0] * len(cluster.machines)
     for r in pj["ranks"]:

@@ -166,13 +166,64 @@ def test_train_step_scales_with_efficiency_and_counts_the_bubble():
     assert step(0.4, 2) > step(0.4, 1) / 2 * (m + 1) / m * 0.95
 
 
-def test_sync_time_is_linear_in_bytes_and_step_formula():
+@pytest.mark.parametrize("kind, tied", [("llama", False), ("qwen2", True)])
+def test_param_table_is_the_hf_state_dict(kind, tied):
+    """What the planner prices is what HF holds: names, sizes and order (a tied model sends no lm_head)."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
+    config = cls(
+        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+        num_key_value_heads=2, tie_word_embeddings=tied,
+    )  # fmt: skip
+    model = AutoModelForCausalLM.from_config(config)
+    want = [(n, t.numel()) for n, t in model.state_dict().items() if not (tied and n == "lm_head.weight")]
+    spec = cm.model_from_config(config.to_dict())
+    assert cm.hf_param_table(spec) == want
+    assert sum(n for _, n in want) == spec.params
+
+
+def test_sync_buckets_cover_every_tensor_once_per_stage_within_the_size():
+    m = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
+    table = cm.hf_param_table(m)
+    stages = [(0, 10), (10, 20), (20, m.layers)]
+    buckets = cm.sync_buckets(table, stages, 2, 64 * 2**20)
+    assert [n for b in buckets for n in b.names] == [n for n, _ in table]  # every tensor once, in order
+    assert [b.stage for b in buckets] == sorted(b.stage for b in buckets)
+    for b in buckets:
+        assert all(cm.param_stage(n, stages) == b.stage for n in b.names)
+        assert b.payload_bytes <= 64 * 2**20 or len(b.names) == 1  # only a tensor larger than a bucket exceeds it
+        assert b.wire_bytes % 8 == 0 and b.payload_bytes + 8 <= b.wire_bytes < b.payload_bytes + 16
+    assert cm.sync_bytes_sent(buckets, 3) == 3 * sum(b.wire_bytes for b in buckets)
+    assert sum(b.payload_bytes for b in buckets) == 2 * m.params
+
+
+def test_sync_time_follows_the_schedule_and_step_formula():
     eff = cm.Efficiency(link_eff=0.25, sync_latency_s=2.0)
     wl = cm.Workload()
     m = cm.load_model_spec("deepseek-r1-distill-qwen-1.5b")
-    s = cm.sync_seconds(m, wl, eff, 5.0)
-    assert s == pytest.approx(2.0 + m.params * 2 / (0.25 * 5e9))
-    assert cm.sync_seconds(m, wl, eff, 5.0, 0.5) - 2.0 == pytest.approx((s - 2.0) / 2)
+    buckets = cm.sync_buckets(cm.hf_param_table(m), [(0, 14), (14, m.layers)], 2, 64 * 2**20)
+    total = sum(b.wire_bytes for b in buckets)
+    stage_bytes = [sum(b.wire_bytes for b in buckets if b.stage == s) for s in (0, 1)]
+    cross, inside = 5.0, 50.0
+
+    def gbps(a, b):
+        return inside if a == b else cross
+
+    one_owner = [[9], [9]]  # both stages' owners on train machine 9, one DP replica
+    one = cm.sync_seconds(buckets, {0: 1}, one_owner, gbps, eff)  # the relay receives both stages in turn
+    assert one == pytest.approx(2.0 + total / (0.25 * cross * 1e9))
+    assert cm.sync_seconds(buckets, {0: 4}, one_owner, gbps, eff) == pytest.approx(one)  # forwarding is faster
+    slow_inside = cm.sync_seconds(buckets, {0: 4}, one_owner, lambda a, b: 1.0 if a == b else cross, eff)
+    assert slow_inside == pytest.approx(2.0 + 3 * total / (0.25 * 1e9))  # 3 forwards over a slow local link
+    # two rollout machines: each owner sends its stage twice, each relay still receives everything once ...
+    two = cm.sync_seconds(buckets, {0: 1, 1: 1}, one_owner, gbps, eff)
+    assert two == pytest.approx(2.0 + max(total, 2 * max(stage_bytes)) / (0.25 * cross * 1e9))
+    # ... unless two DP replicas share the fan-out: each machine takes each stage from a different replica
+    assert cm.assign_senders([[9, 8], [9, 8]], [0, 1], gbps) == {(0, 0): 0, (1, 0): 0, (0, 1): 1, (1, 1): 1}
+    assert cm.sync_seconds(buckets, {0: 1, 1: 1}, [[9, 8], [9, 8]], gbps, eff) == pytest.approx(one)
+    # the best-connected replica wins over the least loaded one
+    assert cm.assign_senders([[9, 0]], [0, 1], gbps) == {(0, 0): 1, (0, 1): 0}
     assert cm.step_seconds(10, 7, 1, wl) == 11
     assert cm.step_seconds(10, 7, 1, cm.Workload(eta=0)) == 18
 
