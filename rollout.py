@@ -84,7 +84,7 @@ from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
 from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
 from parallel.trajectories import TrajectorySender
-from parallel.weight_sync import receive_buckets
+from parallel.weight_sync import receive_version
 from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
 
 ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
@@ -224,9 +224,14 @@ class RolloutWorker:
         head: int,
         device: torch.device,
         replica: ReplicaLink | None = None,
+        weight_links: dict | None = None,
     ):
+        """`weight_links`: this leader's weight-sync process groups (ParallelGroups.weight_links)."""
         self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
         self.replica = replica
+        self.weight_links = weight_links or {}
+        self.weights_incomplete = False  # a version stopped half-way: generate nothing until a whole one arrives
+        self.deferred_evals: list[dict] = []
         self.is_leader = replica is None or replica.is_leader
         r = cfg.rollout
         # math-verify's imports (in the scorer's worker process) overlap the generator's set-up
@@ -305,23 +310,55 @@ class RolloutWorker:
                 )
 
     def on_weights(self, msg: dict) -> None:
-        """Bucket by bucket: each is received (by the leader, which hands it to its followers), applied, and
-        dropped before the next, so a rank holds one bucket of the new version, not a second model. The version
-        switches with the last bucket, and no decode step runs in between."""
-        n = len(msg["buckets"])
-        buckets = receive_buckets(msg, self.head, self.device, self.cfg.dist.verify_weights) if self.is_leader else None
-        for i in range(n):
-            bucket = next(buckets) if buckets is not None else None
-            if self.replica is not None:  # only the leader receives from the head
+        """Bucket by bucket (parallel/weight_sync.py): each is received (and forwarded, by a machine's relay),
+        handed to the TP followers, applied and dropped before the next, so a rank holds at most two buckets of the
+        new version, never a second model. The version switches with the last bucket; no decode step runs in
+        between. A version whose source fails half-way leaves this replica generating nothing (a partly applied
+        version is no version) until the head sends a whole one."""
+        version, n = msg["version"], len(msg["buckets"])
+        if n == 0:  # a skipped update: the same weights under a new version number
+            if not self.weights_incomplete:
+                self.gen.update_weights({}, version)
+            self.send("weights_ok", version=version, failed={})
+            return
+
+        def apply(bucket: dict, last: bool) -> None:
+            if self.replica is not None:  # only the leader receives; its followers get each bucket from it
                 bucket = self.replica.share_weights(bucket)
-            self.gen.update_weights(bucket, msg["version"], last=i == n - 1)
-            del bucket
-        if n == 0:
-            self.gen.update_weights({}, msg["version"])
-        self.send("weights_ok", version=msg["version"])  # the head may now reuse the send buffers
+            self.gen.update_weights(bucket, version, last=last)
+
+        if not self.is_leader:
+            for i in range(n):
+                bucket = self.replica.share_weights(None)
+                if not bucket:  # the leader's source failed: this version is off
+                    self.weights_incomplete = True
+                    return
+                self.gen.update_weights(bucket, version, last=i == n - 1)
+            self.weights_incomplete = False
+            self.run_deferred_evals()
+            return
+        try:
+            failed = receive_version(msg, self.weight_links, self.device, apply, self.cfg.dist.rollout_timeout_s / 2)
+        except PeerTimeout as e:
+            self.weights_incomplete = True
+            if self.replica is not None:
+                self.replica.share_weights({})
+            self.send("weights_failed", version=version, reason=str(e))
+            return
+        self.weights_incomplete = False
+        self.send("weights_ok", version=version, failed={str(k): v for k, v in failed.items()})
+        self.run_deferred_evals()
+
+    def run_deferred_evals(self) -> None:
+        evals, self.deferred_evals = self.deferred_evals, []
+        for msg in evals:
+            self.on_eval(msg)
 
     @torch.no_grad()
     def on_eval(self, msg: dict) -> None:
+        if self.weights_incomplete:  # evaluated once the version has arrived whole (the head re-sends it)
+            self.deferred_evals.append(msg)
+            return
         if self.eval_gen is None:  # a second cache over the same (shared) weights
             self.eval_gen = Generator(
                 self.model,
@@ -353,7 +390,7 @@ class RolloutWorker:
             ]
         )
         correct = [int(d.reward > 0) for d in scores]
-        self.send("eval_result", version=self.gen.version, tag=msg.get("tag", ""), prompt_ids=ids, correct=correct)
+        self.send("eval_result", version=msg["version"], tag=msg.get("tag", ""), prompt_ids=ids, correct=correct)
 
     # -- finished sequences --------------------------------------------------------------------------
     def on_finished(self, out) -> None:
@@ -430,7 +467,7 @@ class RolloutWorker:
                 if msg["kind"] == "abort":
                     raise Aborted(msg["reason"])
                 handlers[msg["kind"]](msg)
-            if self.gen.num_unfinished():
+            if self.gen.num_unfinished() and not self.weights_incomplete:
                 for out in self.gen.step():
                     self.on_finished(out)
                 if self.scorer is not None:

@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+import cost_model as cm
 from buffer import StalenessBuffer, Trajectory, group_advantages
 from checkpoint import (
     CheckpointError,
@@ -64,7 +65,7 @@ from parallel.rankmap import (
     load_plan,
 )
 from parallel.trajectories import PackedGroup, TrajectoryInbox, batch_control, broadcast_batch, pack, receive_batch
-from parallel.weight_sync import WeightSender
+from parallel.weight_sync import bucket_meta, plan_version, send_version, weights_message
 from runlog import RunLog
 from tasks import DataError, load_task
 
@@ -196,13 +197,14 @@ class TrainHead:
         self.pool = RolloutPool(groups.replicas)
         self.admission = Admission(self.buffer, self.data, self.pool, cfg.rollout.max_queued_groups)
         self.evals = EvalBook([r["prompt_id"] for r in test_rows])
-        self.acks = WeightAcks(groups.rollout_ranks)
         self.metrics = StepMetrics()
         self.inbox = TrajectoryInbox()  # receives posted for the groups rollout leaders announced
-        self.sender = WeightSender(
-            cfg.dist.weight_bucket_mb, cfg.dist.verify_weights, cfg.dist.timeout_s, resolve_dtype(cfg, device)
-        )
-        self.state_dict: dict | None = None  # the weights of the current version (fp32, CPU)
+        self.sync_dtype = resolve_dtype(cfg, device)  # weights travel in the rollout model's compute dtype
+        self.bucket_bytes = int(cfg.dist.weight_bucket_mb * 2**20)
+        self.sync_bytes = self.sync_predicted_bytes = 0  # this version's, for its metrics line
+        self.resynced: dict[int, int] = {}  # leader -> the version last re-sent to it after a failed relay
+        self._sync_layout: dict | None = None
+        self.resync_wanted: set[int] = set()
         self.in_collective = False  # an error there reaches every train rank itself
         self.last_command = time.monotonic()
         self.stopped = False
@@ -234,7 +236,11 @@ class TrainHead:
         elif kind == "eval_result":
             self.log_evals(self.evals.record(msg["version"], src, msg["correct"]))
         elif kind == "weights_ok":
-            self.acks.taken(src, msg["version"])
+            for mate, why in msg.get("failed", {}).items():  # a machine-mate it relays to did not take them
+                if int(mate) in self.pool.live:
+                    self.drop_rollout_rank(int(mate), f"did not take weights from its relay ({why[:120]})")
+        elif kind == "weights_failed":  # its relay never delivered: straight from the owners, unless done already
+            self.resync_wanted.add(src)
         elif kind == "ready":
             self.pool.ready.add(src)
         if "counters" in msg:
@@ -244,6 +250,11 @@ class TrainHead:
         msgs = self.channel.poll(timeout_s=timeout_s)
         for src, msg in msgs:
             self.handle(src, msg)
+        if self.resync_wanted:
+            wanted = [r for r in self.resync_wanted if r in self.pool.live and self.resynced.get(r) != self.version]
+            self.resync_wanted.clear()
+            if wanted:
+                self.sync_weights(targets=wanted)
         if not msgs and timeout_s > 0:
             timeout = self.cfg.dist.rollout_timeout_s
             for rank in self.pool.stuck(self.channel.silent_peers(timeout), self.evals.owes):
@@ -268,7 +279,6 @@ class TrainHead:
         self.channel.closed.add(rank)
         self.channel.send(rank, "abort", reason=f"dropped by the train head ({why})")  # read if it ever wakes
         requeued = self.buffer.requeue_rank(rank)
-        self.sender.forget(rank)
         self.log_evals(self.evals.drop_rank(rank))
         print(
             f"[rank {dist.get_rank()}] warning: rollout rank {rank} {why} at step {self.buffer.version}; "
@@ -302,37 +312,62 @@ class TrainHead:
         yield
         self.in_collective = False
 
-    def sync_weights(self, changed: bool = True) -> float:
-        if changed or self.state_dict is None:
-            with self.collective():
-                self.state_dict = self.trainer.gather_full_state_dict()
+    @property
+    def version(self) -> int:
+        return self.buffer.version
+
+    def sync_layout(self) -> dict:
+        """The part of every `weights` message that is the same for all leaders and versions."""
+        if self._sync_layout is None:
+            itemsize = torch.empty((), dtype=self.sync_dtype).element_size()
+            buckets = self.trainer.sync_buckets(itemsize, self.bucket_bytes)
+            self._sync_layout = {
+                "buckets": [bucket_meta(b, self.trainer.full_shapes, self.sync_dtype) for b in buckets],
+                "verify": self.cfg.dist.verify_weights,
+            }
+            # the planner's number for this schedule: cost_model's buckets of the model spec, not the trainer's own
+            spec = cm.model_from_config(self.trainer.hf_config.to_dict())
+            stages = [tuple(x) for x in self.groups.stage_layers]
+            self.planned_buckets = cm.sync_buckets(cm.hf_param_table(spec), stages, itemsize, self.bucket_bytes)
+        return self._sync_layout
+
+    def sync_weights(self, changed: bool = True, targets: list[int] | None = None) -> float:
+        """Send this version's weights to every live replica (or re-send them to `targets`), streamed from the train
+        ranks (parallel/weight_sync.py). A relay that fails is dropped, and the machine-mates it relayed to get the
+        version again straight from the owners. Groups may be admitted at this version only afterwards."""
         t0 = time.perf_counter()
-        self.await_weight_receipts(self.cfg.dist.rollout_timeout_s)
-        self.sender.send(
-            self.channel,
-            self.pool.live,
-            self.state_dict,
-            self.buffer.version,
-            self.device,
-            self.cfg.dist.rollout_timeout_s,
-        )
-        self.buffer.weights_sent(self.buffer.version)  # only now may groups be admitted at this version
+        version = self.version
+        if targets is None:
+            self.sync_bytes = self.sync_predicted_bytes = 0
+        leaders = [r for r in (targets or self.pool.live)]
+        if not changed and targets is None:  # a skipped update: same weights, new version number
+            for leader in leaders:
+                self.channel.send(leader, "weights", version=version, buckets=[])
+        else:
+            layout = self.sync_layout()
+            paths, senders = plan_version(leaders, self.groups)
+            for leader in paths:
+                extra = weights_message(leader, paths, senders, self.groups)
+                self.channel.send(leader, "weights", version=version, **layout, **extra)
+            if targets is None:
+                self.sync_predicted_bytes = cm.sync_bytes_sent(self.planned_buckets, len(senders))
+            args = {"senders": senders, "dtype": str(self.sync_dtype), "bucket_bytes": self.bucket_bytes}
+            args["timeout_s"], args["verify"] = self.cfg.dist.rollout_timeout_s, self.cfg.dist.verify_weights
+            self.command("sync", args=args)
+            with self.collective():
+                failed, sent = send_version(self.trainer, **{**args, "dtype": self.sync_dtype})
+            self.sync_bytes += sent
+            for rank in failed:
+                if rank in self.pool.live:
+                    self.drop_rollout_rank(rank, "did not take its weights in time")
+            orphans = [r for r, (source, _) in paths.items() if source in failed and r in self.pool.live]
+            for r in orphans:
+                self.resynced[r] = version
+            if orphans:
+                self.sync_weights(targets=orphans)
+        if targets is None:
+            self.buffer.weights_sent(version)  # only now may groups be admitted at this version
         return time.perf_counter() - t0
-
-    def weights_not_taken(self) -> list[int]:
-        """Ranks the last version was sent to that have not acknowledged it."""
-        return self.acks.late(self.sender.receivers_in_flight(), self.sender.in_flight_version)
-
-    def await_weight_receipts(self, timeout_s: float) -> None:
-        """Every rank the previous version went to acknowledges it over the channel, or is dropped: never a
-        timed-out wait on a gloo send, which would close the whole process group."""
-        deadline = time.monotonic() + timeout_s
-        while late := [r for r in self.weights_not_taken() if r in self.pool.live]:
-            if time.monotonic() > deadline:
-                for rank in late:
-                    self.drop_rollout_rank(rank, "did not receive weights in time")
-                return
-            self.pump(timeout_s=0.05)
 
     # -- one optimizer step -----------------------------------------------------------------------
     def train_on(self, batch: list) -> tuple[dict, bool]:
@@ -372,6 +407,7 @@ class TrainHead:
         self.command("checkpoint", dir=str(tmp))
         with self.collective():
             save_train_shard(self.trainer, tmp, dist.get_rank())
+            full = self.trainer.gather_full_state_dict()  # the HF export of this version (fp32, on the head)
             dist.barrier(group=self.groups.train_group)
         head_state = {
             "config": to_dict(self.cfg),
@@ -383,7 +419,7 @@ class TrainHead:
             "log_sizes": self.log.sizes(),
             "lost_rollout_ranks": self.pool.lost,
         }
-        self.writer.finish(tmp, version, self.state_dict, head_state)
+        self.writer.finish(tmp, version, full, head_state)
 
     def run(self) -> None:
         cfg = self.cfg
@@ -409,10 +445,12 @@ class TrainHead:
             stats, updated = self.train_on(batch)
             sync_s = self.sync_weights(changed=updated)
             self.grant()  # capacity grew with the version
-            sync_dtype = str(self.sender.dtype or "as trained").removeprefix("torch.")
-            self.log.step(
-                self.metrics.step(stats, self.buffer.version, sync_s, self.pool, self.sender.last_bytes, sync_dtype)
-            )
+            sync = {
+                "weight_sync_bytes": self.sync_bytes,
+                "weight_sync_predicted_bytes": self.sync_predicted_bytes,
+                "weight_sync_dtype": str(self.sync_dtype).removeprefix("torch."),
+            }
+            self.log.step(self.metrics.step(stats, self.buffer.version, sync_s, self.pool, sync))
             self.check_finite(updated)
             v = self.buffer.version
             if (cfg.checkpoint.every and v % cfg.checkpoint.every == 0) or (
@@ -441,11 +479,6 @@ class TrainHead:
             for src, msg in self.channel.poll(timeout_s=0.5):
                 if "counters" in msg:
                     self.pool.report(src, msg["counters"])
-                if msg["kind"] == "weights_ok":
-                    self.acks.taken(src, msg["version"])
-        for rank in self.weights_not_taken():
-            self.sender.forget(rank)  # it never took the last version: do not wait on gloo for it
-        self.sender.wait(self.cfg.dist.timeout_s)
 
     def abort(self, reason: str) -> None:
         """On an error: tell the rollout ranks (and, outside a collective, the train ranks) to exit."""
@@ -463,7 +496,6 @@ class TrainHead:
 def run_train_follower(groups, trainer) -> None:
     """Train ranks other than the head: do what the head broadcasts."""
     head = groups.train_ranks[0]
-    trainer.gather_full_state_dict()  # the head's first weight sync (a collective under TP/PP)
     while True:
         cmd = broadcast_json(None, src=head, group=groups.train_group)
         kind = cmd["kind"]
@@ -473,9 +505,11 @@ def run_train_follower(groups, trainer) -> None:
             raise Aborted(cmd["reason"])
         if kind == "train":
             trainer.train_step(receive_batch(cmd, head, groups.train_group))
-            trainer.gather_full_state_dict()
+        elif kind == "sync":
+            send_version(trainer, **{**cmd["args"], "dtype": getattr(torch, cmd["args"]["dtype"].split(".")[-1])})
         elif kind == "checkpoint":
             save_train_shard(trainer, Path(cmd["dir"]), dist.get_rank())
+            trainer.gather_full_state_dict()
             dist.barrier(group=groups.train_group)
 
 
@@ -647,21 +681,6 @@ class EvalBook:
         return out
 
 
-class WeightAcks:
-    """The newest weight version each rollout rank has acknowledged (`weights_ok`)."""
-
-    def __init__(self, ranks: list[int]):
-        self.version = {r: -1 for r in ranks}
-
-    def taken(self, rank: int, version: int) -> None:
-        if rank in self.version:
-            self.version[rank] = max(self.version[rank], version)
-
-    def late(self, receivers: list[int], version: int) -> list[int]:
-        """Receivers of `version` that have not acknowledged it."""
-        return [r for r in receivers if self.version.get(r, -1) < version]
-
-
 class NonFiniteGuard:
     """Skipped non-finite steps: a warning each, NonFiniteError after `limit` in a row."""
 
@@ -721,8 +740,7 @@ class StepMetrics:
         version: int,
         weight_sync_s: float,
         pool: RolloutPool,
-        weight_sync_bytes: int = 0,
-        weight_sync_dtype: str = "",
+        weight_sync: dict | None = None,
     ) -> dict:
         now = time.monotonic()
         step_s, self.t_last = now - self.t_last, now
@@ -732,8 +750,7 @@ class StepMetrics:
             "version": version,
             "step_s": step_s,
             "weight_sync_s": weight_sync_s,
-            "weight_sync_bytes": weight_sync_bytes,
-            "weight_sync_dtype": weight_sync_dtype,
+            **(weight_sync or {}),  # weight_sync_bytes / _predicted_bytes / _dtype
             "trained_tokens_per_s": stats["trained_tokens"] / step_s,
             "generated_tokens_per_s": (generated - self.generated_tokens) / step_s,
             "rollout_idle_frac": pool.idle_fraction(),
@@ -798,7 +815,7 @@ def main(argv: list[str]) -> int:
 
     from parallel.groups import build_groups
 
-    groups = build_groups(plan)  # collective: every rank, same order
+    groups = build_groups(plan, mate_timeout_s=cfg.dist.rollout_timeout_s / 2)  # collective: every rank, same order
     layout = all_gather_json(layout_record(plan, os.environ, device_name(device), groups.what_runs()))
     if problems := layout_mismatches(plan, layout, any_device=True):  # the groups run something else than planned
         raise PlanError(f"the process groups do not run the plan: {problems[0]}")
@@ -817,7 +834,8 @@ def main(argv: list[str]) -> int:
 
         replica = groups.replica
         link = ReplicaLink(replica.group, replica.ranks, device) if replica.tp > 1 else None
-        RolloutWorker(cfg, load_policy(cfg, device), tok, train_rows, test_rows, head, device, link).run()
+        policy = load_policy(cfg, device)
+        RolloutWorker(cfg, policy, tok, train_rows, test_rows, head, device, link, groups.weight_links).run()
         return 0
     if rank != head:
         trainer = make_trainer(cfg, groups, device)

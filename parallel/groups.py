@@ -13,10 +13,12 @@ same arguments -- rollout ranks call it too and simply get role "rollout".
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from datetime import timedelta
 from typing import Any
 
 import torch.distributed as dist
 
+import cost_model as cm
 from parallel.rankmap import PlanError, RolloutReplica, rollout_replicas, train_coords, validate_plan
 
 
@@ -46,6 +48,12 @@ class ParallelGroups:
     replicas: list[RolloutReplica] = field(default_factory=list)
     idle_ranks: list[int] = field(default_factory=list)
     replica: RolloutReplica | None = None  # this rank's replica (rollout ranks)
+    # weight sync (parallel/weight_sync.py): ("owners", leader) -> {all owners} + {leader}; (a, b) -> the pair of
+    # replica leaders a < b on one machine. Every link its own group: a dead peer fails only its own links.
+    weight_links: dict = field(default_factory=dict)
+    owner_ranks: list[list[int]] = field(default_factory=list)  # [stage][dp] -> that replica's tp-0 rank of the stage
+    machine_of: dict[int, int] = field(default_factory=dict)  # rank -> the plan's machine
+    link_gbps: Any = None  # (machine, machine) -> GB/s, from the plan's cluster (1.0 everywhere without one)
 
     @property
     def is_train(self) -> bool:
@@ -80,8 +88,10 @@ class ParallelGroups:
         }
 
 
-def build_groups(plan: dict) -> ParallelGroups:
-    """COLLECTIVE over the world group. Creates train/DP/TP/PP/embedding groups; returns this rank's view."""
+def build_groups(plan: dict, mate_timeout_s: float | None = None) -> ParallelGroups:
+    """COLLECTIVE over the world group. Creates train/DP/TP/PP/embedding groups, the rollout replicas' and the
+    weight-sync links; returns this rank's view. `mate_timeout_s`: the timeout of the links between replica leaders
+    of one machine (a leader whose relay died gives up on it after this; None: the default process-group one)."""
     if not dist.is_initialized():
         raise RuntimeError("build_groups: torch.distributed is not initialised (call dist.init_process_group first)")
     train_ranks, rollout_ranks, dp, tp, pp, stage_layers = validate_plan(plan)
@@ -139,4 +149,21 @@ def build_groups(plan: dict) -> ParallelGroups:
             replica.group = dist.new_group(replica.ranks)
         if rank in replica.ranks:
             g.replica = replica
+    g.owner_ranks = [[at(d, 0, p) for d in range(dp)] for p in range(pp)]
+    g.machine_of = {int(e["rank"]): int(e.get("machine") or 0) for e in plan["ranks"]}
+    cluster = (plan.get("inputs") or {}).get("cluster")
+    g.link_gbps = cm.cluster_from_dict(cluster, "plan.inputs.cluster").link_gbps if cluster else lambda a, b: 1.0
+    owners = {r for per_stage in g.owner_ranks for r in per_stage}
+    for replica in replicas:
+        ranks = sorted(owners | {replica.leader})
+        grp = dist.new_group(ranks)
+        if rank in ranks:
+            g.weight_links[("owners", replica.leader)] = grp
+    kwargs = {} if mate_timeout_s is None else {"timeout": timedelta(seconds=mate_timeout_s)}
+    for a in replicas:
+        for b in replicas:
+            if a.leader < b.leader and a.machine == b.machine:
+                grp = dist.new_group([a.leader, b.leader], **kwargs)
+                if rank in (a.leader, b.leader):
+                    g.weight_links[(a.leader, b.leader)] = grp
     return g

@@ -131,6 +131,7 @@ class RolloutReplica:
     ranks: list[int]  # leader first
     share: float  # the planned fraction of generated tokens
     group: Any = None  # process group of its ranks (tp > 1)
+    machine: int = 0  # the plan's machine index (weight sync sends one copy per machine)
 
     @property
     def tp(self) -> int:
@@ -148,7 +149,8 @@ def rollout_replicas(plan: dict, rollout_ranks: list[int]) -> tuple[list[Rollout
     specs = (plan.get("rollout") or {}).get("replicas")
     if not specs:
         live = [r for r in rollout_ranks if r not in idle]
-        return [RolloutReplica(i, [r], 1.0 / len(live)) for i, r in enumerate(live)], idle  # [] without any
+        machine = {r: int(entries[r].get("machine", 0)) for r in live}
+        return [RolloutReplica(i, [r], 1.0 / len(live), machine=machine[r]) for i, r in enumerate(live)], idle
     replicas, seen = [], set()
     for spec in specs:
         ranks = sorted(int(r) for r in spec["ranks"])
@@ -165,7 +167,14 @@ def rollout_replicas(plan: dict, rollout_ranks: list[int]) -> tuple[list[Rollout
         if len(machines) > 1:
             raise PlanError(f"rollout replica {spec.get('id')} spans machines {sorted(machines)}; TP stays on one")
         seen.update(ranks)
-        replicas.append(RolloutReplica(int(spec.get("id", len(replicas))), ranks, float(spec.get("share", 0.0))))
+        replicas.append(
+            RolloutReplica(
+                int(spec.get("id", len(replicas))),
+                ranks,
+                float(spec.get("share", 0.0)),
+                machine=int(machines.pop() or 0),
+            )
+        )
     missing = [r for r in rollout_ranks if r not in seen and r not in idle]
     if missing:
         raise PlanError(f"rollout ranks {missing} are in no replica and not idle")

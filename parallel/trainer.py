@@ -21,6 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+import cost_model as cm
 from config import TrainConfig
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
@@ -130,6 +131,7 @@ class Trainer:
             weight_decay=config.weight_decay,
         )
         self.links = StageLinks.from_groups(groups, self.device)
+        self._sync_buckets: dict[tuple[int, int], list[cm.SyncBucket]] = {}
         self.autocast_dtype = compute_dtype if compute_dtype != torch.float32 else None
         self.step = 0
 
@@ -412,14 +414,44 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------
     # weights out: full HF state dict on the train head; checkpoints
 
-    def _stage_of(self, name: str) -> int:
-        g = self.groups
-        if name.startswith("model.embed_tokens"):
-            return 0
-        if name.startswith("model.layers."):
-            i = int(name.split(".")[2])
-            return next(s for s, (a, b) in enumerate(g.stage_layers) if a <= i < b)
-        return g.pp - 1
+    def sync_param_table(self) -> list[tuple[str, int]]:
+        """(HF name, numel) of what weight sync sends, in state-dict order: a tied model sends no lm_head."""
+        return [
+            (n, math.prod(shape))
+            for n, shape in self.full_shapes.items()
+            if not (n == "lm_head.weight" and self.stage.tied)
+        ]
+
+    def sync_buckets(self, itemsize: int, bucket_bytes: int) -> list[cm.SyncBucket]:
+        """The weight-sync schedule of this model and layout (the planner prices the same function's buckets)."""
+        key = (itemsize, bucket_bytes)
+        if key not in self._sync_buckets:
+            stages = [tuple(x) for x in self.groups.stage_layers]
+            self._sync_buckets[key] = cm.sync_buckets(self.sync_param_table(), stages, itemsize, bucket_bytes)
+        return self._sync_buckets[key]
+
+    @torch.no_grad()
+    def fill_bucket(self, bucket: cm.SyncBucket, out: torch.Tensor | None, dtype: torch.dtype) -> None:
+        """COLLECTIVE over this stage's TP group (DP replica 0). The stage owner (tp 0) passes `out`, the bucket's
+        flat payload in the sync `dtype`, and gets the full HF tensors written into it; TP peers pass None. A sharded
+        tensor is gathered onto the owner one tensor at a time, in the sync dtype."""
+        g, offset = self.groups, 0
+        for name, numel in zip(bucket.names, bucket.numels):
+            shape = self.full_shapes[name]
+            slot = None if out is None else out[offset : offset + numel].view(shape)
+            offset += numel
+            p = self.params[name].detach()
+            dim = self.stage.shard_specs.get(name)
+            if dim is None or g.tp == 1:
+                if slot is not None:
+                    slot.copy_(p)
+                continue
+            shard = p.to(dtype).contiguous()
+            parts = [torch.empty_like(shard) for _ in range(g.tp)] if slot is not None else None
+            dist.gather(shard, parts, dst=g.tp_ranks[0], group=g.tp_group)
+            if slot is not None:
+                torch.cat(parts, dim=dim, out=slot)
+            del parts, shard
 
     @torch.no_grad()
     def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
@@ -428,7 +460,7 @@ class Trainer:
         if g.dp_rank != 0:
             return None
         names = [n for n in self.full_shapes if not (n == "lm_head.weight" and self.stage.tied)]
-        mine = [n for n in names if self._stage_of(n) == g.pp_rank]
+        mine = [n for n in names if cm.param_stage(n, self.groups.stage_layers) == g.pp_rank]
         full: dict[str, torch.Tensor] = {}
         for n in mine:
             p = self.params[n]
@@ -448,7 +480,7 @@ class Trainer:
             return None
         out = {n: t.float().cpu().clone() for n, t in full.items()}
         for s in range(1, g.pp):
-            theirs = [n for n in names if self._stage_of(n) == s]
+            theirs = [n for n in names if cm.param_stage(n, self.groups.stage_layers) == s]
             flat = torch.empty(sum(math.prod(self.full_shapes[n]) for n in theirs), device=self.device)
             dist.recv(flat, g.pp_ranks[s], group=g.pp_group)
             offset = 0

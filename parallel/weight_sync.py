@@ -1,170 +1,294 @@
-"""Trainer → rollout weight transfer: full HF-named state dict in flat buckets, stamped with the version.
+"""Trainer -> rollout weight sync: streamed bucket by bucket from the train ranks that own the parameters, in the
+rollout model's compute dtype, each bucket crossing each link once.
 
-The train head announces a version on the control channel (bucket layout + one checksum per bucket),
-then sends each bucket as one flat tensor (gloo on CPU, NCCL on GPU: the bucket lives on the sender's
-device), in the rollout model's compute dtype. The rollout side receives one bucket at a time into a buffer of
-the announced size, verifies its checksum when asked to, and applies it (HF names and shapes, bitwise what was
-sent) before receiving the next; the version switches with the last bucket.
-A mismatch raises WeightSyncError (the rollout rank stops rather than generate with corrupted weights);
-a rollout rank that does not take its buckets within the deadline is named in a PeerTimeout.
+The buckets are cost_model.sync_buckets -- the planner prices the very same list. One version:
+  1. The train head picks one relay per rollout machine (its lowest live replica leader) and tells every live
+     leader over the channel what will arrive and from whom (`weights`: the bucket layout, its source -- for a
+     relay the owner of each stage that sends to it -- and for a relay the machine-mates it forwards to).
+  2. Each relay takes each stage from one DP replica (all hold the same weights): the best-connected one, ties to
+     the least loaded (cost_model.assign_senders). The train ranks of that replica and stage walk its buckets in
+     order (`send_version`): TP peers gather each sharded tensor onto the stage's owner (tp 0), one tensor at a
+     time; the owner writes the bucket in the compute dtype into one flat byte buffer, appends its checksum
+     (computed on the device, a chunk at a time) and isends it to each of its relays. At most 2 buckets are alive
+     on an owner: before filling one it waits until at most one other is still leaving.
+  3. A relay receives each bucket, isends it on to its machine-mates (again at most 2 alive), verifies it, and
+     hands it to the caller, who applies it in place (and shares it with its TP followers, parallel/replica.py).
+     A machine-mate does the same with what its relay forwards. The generator's version switches with the last
+     bucket, and no decode step runs in between.
+
+Links: every leader has its own group with the owners, every pair of leaders on a machine its own pair group
+(parallel/groups.py). A dead or stopped peer can then fail only the links it is on -- in gloo a timed-out wait
+closes every pair of its group, which is why one group over all receivers would not do.
+
+What stays synchronous, and why: a send completes when its receiver takes it, so with at most 2 buckets in flight an
+owner moves at the pace of its slowest live relay, about one decode step behind it -- the price of never holding a
+second copy of the model. Nothing waits for a `weights_ok`: the channel keeps each rank's messages in order, so
+groups granted after a version are generated with it, and the staleness bound needs no acknowledgement.
+
+Faults: an owner's wait that fails or passes dist.rollout_timeout_s marks that relay failed; the train ranks
+all-reduce the failures and the head drops those replicas and sends the version again, straight from the owners,
+to the machine-mates they relayed to (which gave up on their relay after `mate_timeout_s`, reported
+`weights_failed`, and generate nothing until a whole version has arrived). A relay whose forward fails names the
+mate in its `weights_ok`; the head drops it. A checksum mismatch raises WeightSyncError: the rank stops rather
+than generate with corrupted weights.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Iterator
+import os
+import signal
+from collections import deque
+from collections.abc import Callable
 
 import torch
 import torch.distributed as dist
 
+import cost_model as cm
 from errors import HexrlError
 from parallel.channel import PeerTimeout, wait_work
 
-WEIGHT_TAG = 21
-
 
 class WeightSyncError(HexrlError, RuntimeError):
-    """A weight version arrived corrupted, or its transfer could not finish."""
+    """A weight version arrived corrupted."""
 
 
 DTYPES = {str(d): d for d in (torch.float32, torch.bfloat16, torch.float16, torch.float64)}
 
-
 CHECKSUM_CHUNK_WORDS = 1 << 20  # int64 intermediates of at most this many words (8 MiB), whatever the bucket size
+IN_FLIGHT = 2  # buckets alive on a sender (the one leaving, the one being filled) and on a relay
+ABANDONED: list[torch.Tensor] = []  # buffers of sends to failed peers: the backend may still read them
+# fault injection for the tests: "<rank>:<version>:<STOP|KILL>" -- that rollout leader signals itself half-way
+# through receiving that version (tests/test_fault_tolerance.py)
+FAULT_ENV = "HEXRL_FAULT_IN_WEIGHT_SYNC"
 
 
-def checksum(flat: torch.Tensor) -> int:
-    """Position-weighted integer sum of the raw bits: device-agnostic, exact, sensitive to swaps. Computed on the
-    tensor's device a chunk at a time, so its integer intermediates never copy the whole bucket."""
-    words = flat.contiguous().view(torch.uint8)
-    words = torch.nn.functional.pad(words, (0, (-words.numel()) % 4)).view(torch.int32)
-    total = torch.zeros((), dtype=torch.int64, device=words.device)
-    for start in range(0, words.numel(), CHECKSUM_CHUNK_WORDS):
-        chunk = words[start : start + CHECKSUM_CHUNK_WORDS].to(torch.int64) & 0xFFFFFFFF
-        weights = torch.arange(start, start + chunk.numel(), device=words.device, dtype=torch.int64) % 65521 + 1
-        total += (chunk * weights).sum()
-    return int(total.item())
+def checksum(data: torch.Tensor) -> int:
+    """Position-weighted integer sum of the raw bits: sum over 32-bit words (zero-padded) of word * (index mod
+    65521 + 1), modulo 2**64. Device-agnostic, exact, sensitive to swaps. Computed on the tensor's device a chunk at
+    a time -- at most CHECKSUM_CHUNK_WORDS and 1/64 of the words -- in two int64 buffers of the chunk's length, so
+    its intermediates stay under 7% of the data's own size (no integer copy of a whole bucket)."""
+    raw = data.contiguous().reshape(-1).view(torch.uint8)
+    whole = raw.numel() // 4
+    words = raw[: whole * 4].view(torch.int32)
+    total = torch.zeros((), dtype=torch.int64, device=raw.device)
+    step = max(1024, min(CHECKSUM_CHUNK_WORDS, -(-whole // 64)))
+    for start in range(0, whole, step):
+        chunk = words[start : start + step].to(torch.int64)
+        chunk &= 0xFFFFFFFF
+        weights = torch.arange(start, start + chunk.numel(), device=raw.device, dtype=torch.int64)
+        weights.remainder_(65521).add_(1)
+        total += chunk.mul_(weights).sum()
+        del chunk, weights
+    tail = int.from_bytes(bytes(raw[whole * 4 :].cpu().tolist()), "little")  # the last < 4 bytes
+    return (int(total.item()) + tail * (whole % 65521 + 1)) % (1 << 64)
 
 
-def make_buckets(state_dict: dict[str, torch.Tensor], bucket_bytes: int) -> list[tuple[dict, torch.Tensor]]:
-    """Group same-dtype tensors into flat buckets of about `bucket_bytes`; returns (meta, flat)."""
-    buckets, names, size, dtype = [], [], 0, None
-
-    def close():
-        if names:
-            flat = torch.cat([state_dict[n].reshape(-1) for n in names])
-            meta = {
-                "names": list(names),
-                "shapes": [list(state_dict[n].shape) for n in names],
-                "dtype": str(flat.dtype),
-                "numel": flat.numel(),
-            }
-            buckets.append((meta, flat))
-
-    for name, t in state_dict.items():
-        nbytes = t.numel() * t.element_size()
-        if names and (t.dtype != dtype or size + nbytes > bucket_bytes):
-            close()
-            names, size = [], 0
-        names.append(name)
-        size += nbytes
-        dtype = t.dtype
-    close()
-    return buckets
+# ----------------------------------------------------------------------------------------------- one bucket
+def payload_view(buf: torch.Tensor, bucket: cm.SyncBucket, dtype: torch.dtype) -> torch.Tensor:
+    """The bucket's tensors, flat, in `dtype`: the front of its wire buffer."""
+    return buf[: bucket.payload_bytes].view(dtype)
 
 
-class WeightSender:
-    """Lives on the train head. Keeps in-flight buckets alive until their sends have completed."""
-
-    def __init__(self, bucket_mb: float, verify: bool, timeout_s: float, dtype: torch.dtype | None = None):
-        """`dtype`: what the weights travel in -- the rollout model's compute dtype (bf16 on GPU), so nothing is
-        sent that the receiver would round away; None sends them as the trainer holds them."""
-        self.timeout_s, self.dtype = timeout_s, dtype
-        self.last_bytes = 0  # bytes sent for the last version, all receivers together
-        self.bucket_bytes = int(bucket_mb * 2**20)
-        self.verify = verify
-        self.in_flight: list[tuple] = []
-        self.in_flight_version = -1
-        self.abandoned: list[tuple] = []  # sends to dropped ranks: gloo may still read these buffers
-
-    def receivers_in_flight(self) -> set[int]:
-        """Ranks the last version was sent to and whose sends have not been waited for."""
-        return {dst for dst, _, _ in self.in_flight}
-
-    def send(
-        self,
-        channel,
-        dst_ranks: list[int],
-        state_dict: dict[str, torch.Tensor],
-        version: int,
-        device: torch.device,
-        wait_timeout_s: float | None = None,
-    ) -> float:
-        """Announce and send one version; first waits (up to wait_timeout_s) for the previous one to leave."""
-        t0 = time.perf_counter()
-        self.wait(self.timeout_s if wait_timeout_s is None else wait_timeout_s)
-        if self.dtype is not None:
-            state_dict = {n: t.to(self.dtype) if t.is_floating_point() else t for n, t in state_dict.items()}
-        buckets = [(meta, flat.to(device)) for meta, flat in make_buckets(state_dict, self.bucket_bytes)]
-        self.last_bytes = len(dst_ranks) * sum(flat.numel() * flat.element_size() for _, flat in buckets)
-        metas = []
-        for meta, flat in buckets:
-            metas.append({**meta, "checksum": checksum(flat) if self.verify else None})
-        self.in_flight_version = version
-        for dst in dst_ranks:
-            channel.send(dst, "weights", version=version, buckets=metas)
-            for _, flat in buckets:
-                self.in_flight.append((dst, dist.isend(flat, dst=dst, tag=WEIGHT_TAG), flat))
-        return time.perf_counter() - t0
-
-    def wait(self, timeout_s: float) -> None:
-        """The previous version's buckets must have left before their memory is reused. Raises PeerTimeout
-        naming every rank that did not take them in time (their sends are then abandoned).
-        With gloo a timed-out wait closes every pair of the process group ("Application timeout caused pair
-        closure"), so the train head first waits for the receivers' `weights_ok` over the channel and drops
-        a rank that never answers (`forget`); this wait then only finds completed sends."""
-        late: list[int] = []
-        for dst, work, _ in self.in_flight:
-            if dst in late:
-                continue
-            try:
-                wait_work(work, timeout_s, [dst], "a rollout rank to receive weights")
-            except PeerTimeout:
-                late.append(dst)
-        self.abandoned += [x for x in self.in_flight if x[0] in late]
-        self.in_flight = []
-        if late:
-            raise PeerTimeout(late, timeout_s, "a rollout rank to receive weights")
-
-    def forget(self, rank: int) -> None:
-        """A dropped rank: stop waiting for its sends (kept alive, never awaited)."""
-        self.abandoned += [x for x in self.in_flight if x[0] == rank]
-        self.in_flight = [x for x in self.in_flight if x[0] != rank]
+def seal(buf: torch.Tensor, bucket: cm.SyncBucket, verify: bool) -> None:
+    """Write the payload's checksum (or 0 when not verifying) into the buffer's last 8 bytes."""
+    value = checksum(buf[: bucket.payload_bytes]) if verify else 0
+    value = value - (1 << 64) if value >= 1 << 63 else value  # as the int64 it is stored in
+    buf[-cm.SYNC_CHECKSUM_BYTES :].view(torch.int64).fill_(value)
 
 
-def receive_buckets(msg: dict, src: int, device: torch.device, verify: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """Receive the buckets announced by a `weights` message one at a time: yields each bucket's HF-named tensors
-    (views of its one flat buffer), so a receiver that applies each before asking for the next holds one bucket,
-    never the whole model."""
-    for meta in msg["buckets"]:
-        flat = torch.empty(meta["numel"], dtype=DTYPES[meta["dtype"]], device=device)
-        dist.recv(flat, src=src, tag=WEIGHT_TAG)  # sent right after the announcement; PG timeout applies
-        if verify and meta["checksum"] is not None and checksum(flat) != meta["checksum"]:
+def unseal(buf: torch.Tensor, meta: dict, version: int, verify: bool) -> dict[str, torch.Tensor]:
+    """Check a received buffer and return its HF-named tensors (views of it)."""
+    dtype = DTYPES[meta["dtype"]]
+    payload = buf[: meta["payload_bytes"]]
+    if verify:
+        sent = int(buf[-cm.SYNC_CHECKSUM_BYTES :].view(torch.int64).item()) % (1 << 64)
+        if checksum(payload) != sent:
             raise WeightSyncError(
-                f"weight checksum mismatch for version {msg['version']} "
+                f"weight checksum mismatch for version {version} "
                 f"(bucket starting at {meta['names'][0]}): corrupted in transfer"
             )
-        bucket, offset = {}, 0
-        for name, shape in zip(meta["names"], meta["shapes"]):
-            n = 1
-            for s in shape:
-                n *= s
-            bucket[name] = flat[offset : offset + n].view(shape)
-            offset += n
-        del flat
-        yield bucket
+    flat, out, offset = payload.view(dtype), {}, 0
+    for name, shape in zip(meta["names"], meta["shapes"]):
+        n = torch.Size(shape).numel()
+        out[name] = flat[offset : offset + n].view(shape)
+        offset += n
+    return out
 
 
-def receive_weights(msg: dict, src: int, device: torch.device, verify: bool) -> dict[str, torch.Tensor]:
-    """The whole announced state dict at once (tests and tools; rollout ranks apply bucket by bucket)."""
-    return {name: t for bucket in receive_buckets(msg, src, device, verify) for name, t in bucket.items()}
+def bucket_meta(bucket: cm.SyncBucket, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
+    """What a receiver needs to know of one bucket (the `weights` message carries one per bucket)."""
+    return {
+        "stage": bucket.stage,
+        "names": list(bucket.names),
+        "shapes": [list(shapes[n]) for n in bucket.names],
+        "dtype": str(dtype),
+        "payload_bytes": bucket.payload_bytes,
+        "wire_bytes": bucket.wire_bytes,
+    }
+
+
+# ----------------------------------------------------------------------------------------------- streams
+class BucketStream:
+    """Sends a sequence of buffers to a set of peers, each over its own link, with at most IN_FLIGHT alive. A peer
+    whose send fails or does not complete within `timeout_s` is marked failed and gets nothing more."""
+
+    def __init__(self, links: dict[int, object], timeout_s: float, what: str):
+        self.links, self.timeout_s, self.what = links, timeout_s, what
+        self.in_flight: deque = deque()
+        self.failed: dict[int, str] = {}
+        self.bytes_sent = 0
+
+    def _wait_oldest(self) -> None:
+        buf, works = self.in_flight.popleft()
+        for dst, work in works:
+            if dst in self.failed:
+                ABANDONED.append(buf)
+                continue
+            try:
+                wait_work(work, self.timeout_s, [dst], self.what)
+            except PeerTimeout as e:
+                self.failed[dst] = str(e)
+                ABANDONED.append(buf)
+
+    def reserve(self) -> None:
+        """Call before allocating the next buffer: afterwards at most IN_FLIGHT - 1 are still alive."""
+        while len(self.in_flight) >= IN_FLIGHT:
+            self._wait_oldest()
+
+    def send(self, buf: torch.Tensor) -> None:
+        works = []
+        for dst, group in self.links.items():
+            if dst in self.failed:
+                continue
+            try:
+                works.append((dst, dist.isend(buf, dst=dst, group=group)))
+                self.bytes_sent += buf.numel() * buf.element_size()
+            except RuntimeError as e:  # the link is closed already
+                self.failed[dst] = str(e).splitlines()[0][:200]
+        self.in_flight.append((buf, works))
+
+    def close(self) -> dict[int, str]:
+        while self.in_flight:
+            self._wait_oldest()
+        return self.failed
+
+
+def routes(leaders: list[int], machine_of: dict[int, int]) -> dict[int, tuple[int | None, list[int]]]:
+    """leader -> (source, forward_to): per machine its lowest leader is the relay (source None: from the owners)
+    and forwards to the others, whose source is the relay."""
+    by_machine: dict[int, list[int]] = {}
+    for leader in sorted(leaders):
+        by_machine.setdefault(machine_of[leader], []).append(leader)
+    out: dict[int, tuple[int | None, list[int]]] = {}
+    for mates in by_machine.values():
+        relay, rest = mates[0], mates[1:]
+        out[relay] = (None, rest)
+        out.update((m, (relay, [])) for m in rest)
+    return out
+
+
+def plan_version(leaders: list[int], groups) -> tuple[dict[int, tuple[int | None, list[int]]], dict[int, list[int]]]:
+    """One version's paths (routes) and senders: relay -> for each stage the DP replica whose owner sends it
+    (cost_model.assign_senders, as the planner prices it)."""
+    machine = {r.leader: r.machine for r in groups.replicas}
+    paths = routes(leaders, machine)
+    relays = sorted(r for r, (source, _) in paths.items() if source is None)
+    owner_machines = [[groups.machine_of[r] for r in per_stage] for per_stage in groups.owner_ranks]
+    assigned = cm.assign_senders(owner_machines, [machine[r] for r in relays], groups.link_gbps)
+    senders = {r: [assigned[(stage, machine[r])] for stage in range(len(owner_machines))] for r in relays}
+    return paths, senders
+
+
+def weights_message(leader: int, paths: dict, senders: dict, groups) -> dict:
+    """The per-leader part of a `weights` message: its source, whom it forwards to, and (a relay) who sends each
+    stage."""
+    source, forward = paths[leader]
+    owners = [groups.owner_ranks[s][dp] for s, dp in enumerate(senders[leader])] if source is None else []
+    return {"source": source, "forward": forward, "owners": owners}
+
+
+def mate_link(links: dict, a: int, b: int):
+    return links[(min(a, b), max(a, b))]
+
+
+# ----------------------------------------------------------------------------------------------- train side
+def send_version(
+    trainer, senders: dict, dtype: torch.dtype, bucket_bytes: int, timeout_s: float, verify: bool
+) -> tuple[list[int], int]:
+    """COLLECTIVE over the train group (every train rank calls it, in the same order as the head's `sync`).
+
+    `senders`: relay -> for each stage the DP replica that sends it (plan_version). Each (DP replica, stage) with
+    relays to serve streams its stage's buckets to them: its owner (tp 0) sends, its TP peers gather into it.
+    Returns the relays that failed and the bytes all owners sent, the same on every train rank."""
+    g = trainer.groups
+    mine = [int(r) for r, dps in senders.items() if dps[g.pp_rank] == g.dp_rank]
+    failed: dict[int, str] = {}
+    sent = 0
+    if mine:
+        owner = g.tp_rank == 0
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        buckets = [b for b in trainer.sync_buckets(itemsize, bucket_bytes) if b.stage == g.pp_rank]
+        links = {r: g.weight_links[("owners", r)] for r in mine} if owner else {}
+        stream = BucketStream(links, timeout_s, "a rollout relay to receive weights")
+        for bucket in buckets:
+            buf = None
+            if owner:
+                stream.reserve()
+                buf = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=trainer.device)
+            trainer.fill_bucket(bucket, None if buf is None else payload_view(buf, bucket, dtype), dtype)
+            if owner:
+                seal(buf, bucket, verify)
+                stream.send(buf)
+            del buf
+        failed = stream.close()
+        sent = stream.bytes_sent
+    totals = torch.zeros(g.world_size + 1, dtype=torch.int64)
+    totals[list(failed)] = 1
+    totals[-1] = sent
+    dist.all_reduce(totals, group=g.train_group)
+    return [r for r in range(g.world_size) if totals[r] > 0], int(totals[-1])
+
+
+# ----------------------------------------------------------------------------------------------- rollout side
+def receive_version(
+    msg: dict,
+    links: dict,
+    device: torch.device,
+    apply: Callable[[dict[str, torch.Tensor], bool], None],
+    forward_timeout_s: float,
+) -> dict[int, str]:
+    """A replica leader's side of one version: receive each announced bucket from its source (the owner of the
+    bucket's stage, or this machine's relay), forward it to the mates this leader relays to, verify it and
+    `apply(tensors, last)` it before receiving the next. Returns the mates whose forward failed.
+    Raises PeerTimeout if a bucket does not arrive (the source is gone), WeightSyncError if one is corrupted."""
+    me = dist.get_rank()
+    forward = BucketStream(
+        {m: mate_link(links, me, m) for m in msg["forward"]}, forward_timeout_s, "a machine-mate to take weights"
+    )
+    n = len(msg["buckets"])
+    for i, meta in enumerate(msg["buckets"]):
+        src = msg["owners"][meta["stage"]] if msg["source"] is None else msg["source"]
+        group = links[("owners", me)] if msg["source"] is None else mate_link(links, me, src)
+        forward.reserve()
+        buf = torch.empty(meta["wire_bytes"], dtype=torch.uint8, device=device)
+        try:
+            dist.recv(buf, src=src, group=group)
+        except RuntimeError as e:
+            forward.close()
+            raise PeerTimeout(
+                [src], 0, f"bucket {i} of weight version {msg['version']} ({str(e).splitlines()[0][:120]})"
+            ) from None
+        if i == n // 2:
+            injected_fault(me, msg["version"])
+        forward.send(buf)
+        apply(unseal(buf, meta, msg["version"], msg["verify"]), i == n - 1)
+        del buf
+    return forward.close()
+
+
+def injected_fault(rank: int, version: int) -> None:
+    spec = os.environ.get(FAULT_ENV, "")
+    if spec:
+        want_rank, want_version, sig = spec.split(":")
+        if int(want_rank) == rank and int(want_version) == version:
+            os.kill(os.getpid(), getattr(signal, f"SIG{sig}"))

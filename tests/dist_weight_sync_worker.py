@@ -1,58 +1,139 @@
-"""torchrun worker: the train head sends a new weight version through the real channel + weight sync;
-every rollout rank applies it with Generator.update_weights and checks its parameters bitwise."""
+"""torchrun worker: train ranks of a dp x tp x pp layout stream two weight versions (parallel/weight_sync.py) to TP-1
+rollout replicas spread over "machines"; every replica applies them with Generator.update_weights and checks its
+parameters bitwise against the trainer's own gathered state dict; the train head checks the bytes it sent
+against the planner's number (cost_model, from the model's config alone).
 
+    torchrun --nproc_per_node=N tests/dist_weight_sync_worker.py MODEL DP TP PP BUCKET_MB MACHINES DTYPE OUT
+MACHINES: the machine of each rollout replica, e.g. 0,0,1. With HEXRL_MEASURE_MEMORY=1 each rank also prints the
+peak resident memory its sync added (VmHWM reset through /proc/self/clear_refs), in bytes. Each rank writes its
+report to OUT/report_<rank>.json.
+"""
+
+import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import cost_model as cm  # noqa: E402
+from config import TrainConfig  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
-from parallel.weight_sync import WeightSender, receive_weights  # noqa: E402
+from parallel.groups import build_groups  # noqa: E402
+from parallel.rankmap import make_train_plan  # noqa: E402
+from parallel.weight_sync import bucket_meta, plan_version, receive_version, send_version, weights_message  # noqa: E402
 
 
-def trained_weights(model, version):
-    """What the trainer would hold at `version`: a deterministic perturbation of the initial weights."""
-    g = torch.Generator().manual_seed(version)
-    return {k: v + 0.01 * torch.randn(v.shape, generator=g) for k, v in model.state_dict().items()}
+def peak_kb() -> int:
+    for line in open("/proc/self/status"):
+        if line.startswith("VmHWM"):
+            return int(line.split()[1])
+    return 0
+
+
+def reset_peak() -> int:
+    Path("/proc/self/clear_refs").write_text("5")
+    return peak_kb()
 
 
 def main():
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    from rollout import Generator
-
+    model_dir, dp, tp, pp, bucket_mb, machines, dtype_name, out = sys.argv[1:9]
+    dp, tp, pp, bucket_bytes = int(dp), int(tp), int(pp), int(float(bucket_mb) * 2**20)
+    machines = [int(m) for m in machines.split(",")]
+    dtype = getattr(torch, dtype_name)
+    measure = os.environ.get("HEXRL_MEASURE_MEMORY") == "1"
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
-    bucket_mb = float(sys.argv[2])
-    ok = True
-    if rank == 0:
-        channel = Channel(list(range(1, world)))
-        sender = WeightSender(bucket_mb, verify=True, timeout_s=60)
+    layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
+    stage_layers = [(s * layers // pp, (s + 1) * layers // pp) for s in range(pp)]
+    plan = make_train_plan(dp, tp, pp, stage_layers, world)
+    n_train = dp * tp * pp
+    for i, m in enumerate(machines):
+        plan["ranks"][n_train + i]["machine"] = m
+    groups = build_groups(plan, mate_timeout_s=60)
+    leaders = groups.rollout_ranks
+    ok, report = True, {}
+    if groups.is_train:
+        from parallel.trainer import Trainer
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        trainer = Trainer(model, groups, TrainConfig(), "cpu")
+        channel = Channel(leaders) if groups.is_train_head else None
+        itemsize = torch.empty((), dtype=dtype).element_size()
         for version in (1, 2):
-            sender.send(channel, list(range(1, world)), trained_weights(model, version), version, torch.device("cpu"))
-        sender.wait(60)
-        for _src, msg in channel.poll(timeout_s=60) + channel.poll(timeout_s=5):
-            ok &= msg["ok"]
+            for p in trainer.params.values():  # "training": elementwise, so every TP shard moves alike
+                p.data.mul_(1 + 0.01 * version).add_(0.001 * version)
+            full = trainer.gather_full_state_dict()  # the reference: the trainer's own gather, independent code
+            dist.barrier(group=groups.train_group)
+            if groups.is_train_head:
+                torch.save({n: t.to(dtype) for n, t in full.items()}, Path(out) / f"v{version}.pt")
+                layout = {
+                    "buckets": [
+                        bucket_meta(b, trainer.full_shapes, dtype) for b in trainer.sync_buckets(itemsize, bucket_bytes)
+                    ],
+                    "verify": True,
+                }
+                paths, senders = plan_version(leaders, groups)
+                for leader in paths:
+                    extra = weights_message(leader, paths, senders, groups)
+                    channel.send(leader, "weights", version=version, **layout, **extra)
+                box = [senders]
+            else:
+                box = [None]
+            dist.broadcast_object_list(box, src=groups.train_ranks[0], group=groups.train_group)
+            before = reset_peak() if measure else 0
+            failed, sent = send_version(trainer, box[0], dtype, bucket_bytes, 60, verify=True)
+            if measure:
+                report[f"peak_extra_v{version}"] = (peak_kb() - before) * 1024
+            ok &= not failed
+            if groups.is_train_head:
+                spec = cm.model_from_config(AutoConfig.from_pretrained(model_dir).to_dict())
+                planned = cm.sync_buckets(cm.hf_param_table(spec), stage_layers, itemsize, bucket_bytes)
+                report[f"sent_v{version}"] = sent
+                report["predicted"] = cm.sync_bytes_sent(planned, len(set(machines)))
+                report["buckets"] = len(planned)
+                report["max_wire"] = max(b.wire_bytes for b in planned)
+            dist.barrier()  # every replica has checked this version
+        if groups.is_train_head:
+            checks = []
+            while len(checks) < len(leaders):
+                checks += [msg["ok"] for _, msg in channel.poll(timeout_s=120)]
+            ok &= all(checks)
     else:
-        channel = Channel([0])
+        from rollout import Generator, SamplingParams
+
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         gen = Generator(model, max_batch_size=2, max_seq_len=32)
-        gen.add_request("r", [1, 2, 3], __import__("rollout").SamplingParams(max_new_tokens=20, seed=1))
+        gen.add_request("r", [1, 2, 3], SamplingParams(max_new_tokens=20, seed=1))
         gen.step()  # mid-generation, as on a real rollout rank
-        for _ in range(2):
-            ((_, msg),) = channel.poll(timeout_s=60)
-            gen.update_weights(receive_weights(msg, 0, torch.device("cpu"), verify=True), msg["version"])
-            want = trained_weights(
-                AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32), msg["version"]
+        channel = Channel([groups.train_ranks[0]])
+        same = True
+        for _ in (1, 2):
+            ((_, msg),) = channel.poll(timeout_s=120)
+            before = reset_peak() if measure else 0
+            failed = receive_version(
+                msg,
+                groups.weight_links,
+                torch.device("cpu"),
+                lambda b, last, v=msg["version"]: gen.update_weights(b, v, last=last),
+                60,
             )
+            if measure:
+                report[f"peak_extra_v{msg['version']}"] = (peak_kb() - before) * 1024
+            dist.barrier()
+            want = torch.load(Path(out) / f"v{msg['version']}.pt", weights_only=True)
             got = model.state_dict()
-            same = all(torch.equal(got[k], want[k]) for k in want) and gen.version == msg["version"]
-        channel.send(0, "check", ok=bool(same))
+            same &= not failed and gen.version == msg["version"]
+            same &= all(torch.equal(got[k], want[k]) for k in want)
+        channel.send(groups.train_ranks[0], "check", ok=bool(same))
+        ok = same
+    report.update(rank=rank, role=groups.role, ok=bool(ok))
+    (Path(out) / f"report_{rank}.json").write_text(json.dumps(report))  # (stdout lines of ranks interleave)
     dist.barrier()
-    if rank == 0:
-        print("WEIGHT_SYNC_OK" if ok else "WEIGHT_SYNC_MISMATCH", flush=True)
     dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)

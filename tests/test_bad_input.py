@@ -311,25 +311,34 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------- weights, rewards, code
-def test_corrupted_weights_are_refused(monkeypatch):
+def test_corrupted_weights_are_refused(world_of_one, monkeypatch):
+    """A bucket sealed by the sender arrives with one ulp of one weight changed: the receiver refuses it, naming the
+    version and the bucket; the intact bucket is applied bitwise."""
+    import cost_model as cm
     from parallel import weight_sync
-    from parallel.weight_sync import WeightSyncError, checksum, make_buckets, receive_weights
+    from parallel.weight_sync import WeightSyncError, bucket_meta, payload_view, receive_version, seal
 
     sd = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(5)}
-    ((meta, flat),) = make_buckets(sd, 1 << 20)
-    msg = {"version": 7, "buckets": [{**meta, "checksum": checksum(flat)}]}
-    corrupted = flat.clone()
-    corrupted[5] = torch.nextafter(corrupted[5], torch.tensor(math.inf))  # one ulp of one weight
+    (bucket,) = cm.sync_buckets([(n, t.numel()) for n, t in sd.items()], [(0, 1)], 4, 1 << 20)
+    buf = torch.empty(bucket.wire_bytes, dtype=torch.uint8)
+    payload_view(buf, bucket, torch.float32).copy_(torch.cat([t.reshape(-1) for t in sd.values()]))
+    seal(buf, bucket, verify=True)
+    meta = bucket_meta(bucket, {n: t.shape for n, t in sd.items()}, torch.float32)
+    msg = {"version": 7, "buckets": [meta], "owners": [0], "source": None, "forward": [], "verify": True}
+    corrupted = buf.clone()
+    one = payload_view(corrupted, bucket, torch.float32)
+    one[5] = torch.nextafter(one[5], torch.tensor(math.inf))  # one ulp of one weight
 
-    def fake_recv(payload):
-        monkeypatch.setattr(weight_sync.dist, "recv", lambda t, src, tag: t.copy_(payload))
+    def receive(wire):
+        monkeypatch.setattr(weight_sync.dist, "recv", lambda t, src, group: t.copy_(wire))
+        got = {}
+        receive_version(msg, {("owners", 0): None}, torch.device("cpu"), lambda b, last: got.update(b), 1.0)
+        return got
 
-    fake_recv(flat)
-    got = receive_weights(msg, 0, torch.device("cpu"), verify=True)
+    got = receive(buf)
     assert all(torch.equal(got[n], sd[n]) for n in sd)
-    fake_recv(corrupted)
     with pytest.raises(WeightSyncError, match="checksum mismatch for version 7 .*a.weight"):
-        receive_weights(msg, 0, torch.device("cpu"), verify=True)
+        receive(corrupted)
 
 
 def test_adversarial_model_outputs_score_zero_in_bounded_time():

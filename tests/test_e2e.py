@@ -6,7 +6,7 @@ import subprocess
 import sys
 
 import pytest
-from tiny import ENV, ROOT, torchrun
+from tiny import ENV, ROOT, run_sync_worker, torchrun
 
 REQUIRED = [
     "step",
@@ -82,18 +82,39 @@ def test_train_runs_and_respects_staleness(tmp_path, tiny_model_dir, eta):
         assert all(e["min_version"] == e["max_version"] == e["trainer_version"] for e in ledger)
 
 
-@pytest.mark.parametrize("bucket_mb", [0.01, 64])
-def test_weight_broadcast_is_bitwise(tiny_model_dir, bucket_mb):
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        "--nproc_per_node=3",
-        "--standalone",
-        "tests/dist_weight_sync_worker.py",
-        str(tiny_model_dir),
-        str(bucket_mb),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=180)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "WEIGHT_SYNC_OK" in proc.stdout, proc.stdout[-2000:]
+@pytest.mark.parametrize(
+    "layout, bucket_mb, machines, dtype",
+    [((1, 1, 1), 0.01, "0,0,1", "float32"), ((1, 2, 2), 64, "0,0,1", "bfloat16")],
+    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16"],
+)
+def test_weights_stream_bitwise_and_the_bytes_are_the_planners(
+    tmp_path, tiny_model_dir, layout, bucket_mb, machines, dtype
+):
+    """Train ranks stream two versions to three replicas on two machines (one relays to its machine-mate): every
+    replica holds the trainer's own gathered weights bitwise (in the sync dtype), and the bytes the train ranks sent
+    equal the planner's prediction from the model's config alone."""
+    reports = run_sync_worker(tiny_model_dir, layout, bucket_mb, machines, dtype, tmp_path)
+    n = layout[0] * layout[1] * layout[2] + len(machines.split(","))
+    assert sorted(reports) == list(range(n)) and all(r["ok"] for r in reports.values()), reports
+    head = reports[0]
+    assert head["sent_v1"] == head["sent_v2"] == head["predicted"] > 0, head
+    if bucket_mb < 1:
+        assert head["buckets"] >= 10  # really bucket by bucket
+
+
+def test_train_ranks_send_the_planned_bytes_every_step(tmp_path, tiny_model_dir):
+    """A plan from schedule.py with two rollout replicas: every step's weight_sync_bytes (what the train ranks
+    sent) equals the plan's predicted sync_bytes, and so does weight_sync_predicted_bytes."""
+    plan = tmp_path / "plan.json"
+    cmd = [sys.executable, "schedule.py", "--cluster", "exp/clusters/cpu.yaml", "--model", str(tiny_model_dir)]
+    cmd += ["--nproc", "4", "--train-layout", "2,1,1", "--precision", "fp32", "--weight-bucket-mb", "0.02"]
+    subprocess.run([*cmd, "--out", str(plan), "--quiet"], cwd=ROOT, env=ENV, check=True, timeout=120)
+    predicted = json.loads(plan.read_text())["predicted"]["sync_bytes"]
+    replicas = json.loads(plan.read_text())["rollout"]["replicas"]
+    assert len(replicas) == 2
+    metrics, ledger = run_train(tmp_path, tiny_model_dir, 1, 3, [f"plan.path={plan}", "dist.weight_bucket_mb=0.02"])
+    steps = [m for m in metrics if "loss" in m]
+    assert len(steps) == 3
+    for m in steps:
+        assert m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"] == predicted, m
+        assert m["weight_sync_dtype"] == "float32"

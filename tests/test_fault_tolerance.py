@@ -239,24 +239,6 @@ class DeliveredInbox:
         return self.groups.pop((src, group_id))
 
 
-class RecordingSender:
-    """WeightSender's interface: version 0 is in flight to every rollout rank until `send` is called again."""
-
-    def __init__(self, channel, ranks):
-        self.channel, self.in_flight_version, self.receivers = channel, 0, set(ranks)
-
-    def receivers_in_flight(self):
-        return set(self.receivers)
-
-    def send(self, channel, dst_ranks, state_dict, version, device, wait_timeout_s=None):
-        for dst in dst_ranks:
-            self.channel.send(dst, "weights", version=version)
-        self.in_flight_version, self.receivers = version, set(dst_ranks)
-
-    def forget(self, rank):
-        self.receivers.discard(rank)
-
-
 def make_head(tmp_path, channel, *overrides):
     import types
 
@@ -281,6 +263,7 @@ def make_head(tmp_path, channel, *overrides):
     groups = types.SimpleNamespace(
         rollout_ranks=list(channel.peers), replicas=replicas, idle_ranks=[], train_ranks=[0], train_group=None
     )
+    groups.owner_ranks, groups.machine_of, groups.link_gbps = [[0]], {r: 0 for r in [0, *channel.peers]}, min
     head = TrainHead(
         cfg,
         groups,
@@ -293,48 +276,121 @@ def make_head(tmp_path, channel, *overrides):
         CheckpointWriter(tmp_path, 2, None, None),
     )
     head.commands = []
-    head.command = head.commands.append  # no train followers in process (no process group)
+    head.command = lambda kind, **_: head.commands.append(kind)  # no train followers in process (no process group)
     return head
 
 
-def test_a_rank_dropped_while_weights_are_awaited_gets_no_work_on_old_weights(world_of_one, tmp_path):
-    """Deterministically: the head has taken batch 1 (version 0 -> 1) and waits for
-    every rank to acknowledge version 0's weights before sending version 1's. Rank 2 never does, so it is dropped
-    during that wait and its groups are re-queued -- but no group may be granted before version 1's weights are
-    out, or rank 1 would generate version-1 groups with version-0 weights (staleness v - 2 > eta = 1)."""
+def test_a_relay_lost_in_a_sync_gets_no_work_and_its_mate_gets_the_version_again(world_of_one, tmp_path, monkeypatch):
+    """Deterministically: the head has taken batch 1 (version 0 -> 1) and streams version 1's weights. Ranks 1 and
+    2 share a machine, so rank 1 relays to rank 2; rank 1 never takes its buckets. It is dropped, its groups are
+    re-queued, rank 2 gets version 1 again straight from the owners -- and no group is granted before version 1's
+    weights are out, or rank 2 would generate version-1 groups with version-0 weights (staleness v - 2 > eta = 1)."""
+    import train
     from buffer import Trajectory
 
     channel = RecordingChannel([1, 2])
     head = make_head(tmp_path, channel, "staleness.max_staleness=1", "dist.rollout_timeout_s=0.3")
-    head.sender, head.state_dict = RecordingSender(channel, [1, 2]), {}
+    head._sync_layout, head.planned_buckets = {"buckets": [], "verify": True}, []
+    rounds = []
+
+    def send_version(trainer, senders, **_):  # rank 1 fails as a relay; any later round goes through
+        relays = sorted(senders)
+        rounds.append(relays)
+        return ([1] if 1 in relays else []), 0
+
+    monkeypatch.setattr(train, "send_version", send_version)
     head.buffer.weights_sent(0)
     head.grant()  # (0 + eta + 1) * B = 4 groups, 2 per rank
     assert sorted(t.rank for t in head.buffer.in_flight.values()) == [1, 1, 2, 2]
     head.inbox = DeliveredInbox()
-    for ticket in [t for t in head.buffer.in_flight.values() if t.rank == 1]:
+    for ticket in [t for t in head.buffer.in_flight.values() if t.rank == 2]:
         traj = Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id)
-        head.inbox.groups[(1, ticket.group_id)] = [traj]
-        head.handle(1, {"kind": "delivered", "group_id": ticket.group_id, "counters": {}})
-    head.acks.taken(1, 0)  # rank 1 acknowledged version 0; rank 2 is stuck
+        head.inbox.groups[(2, ticket.group_id)] = [traj]
+        head.handle(2, {"kind": "delivered", "group_id": ticket.group_id, "counters": {}})
     head.buffer.take()  # version 1
     sent_before = len(channel.sent)
 
-    head.sync_weights(changed=False)
+    head.sync_weights()
     head.grant()  # what run() does next
 
+    assert rounds == [[1], [2]]  # one relay per machine; then the orphaned mate straight from the owners
     after = channel.sent[sent_before:]
     kinds = [(dst, kind) for dst, kind, _ in after]
-    assert (2, "abort") in kinds and head.rollout_ranks == [1]
-    first_weights = kinds.index((1, "weights"))
-    assert after[first_weights][2]["version"] == 1
+    assert (1, "abort") in kinds and head.rollout_ranks == [2]
+    weights = [(dst, m["source"], m["forward"]) for dst, kind, m in after if kind == "weights"]
+    assert weights == [(1, None, [2]), (2, 1, []), (2, None, [])], weights
+    last_weights = max(i for i, (_, kind) in enumerate(kinds) if kind == "weights")
     grants = [i for i, (dst, kind) in enumerate(kinds) if kind == "grant"]
-    assert grants and all(i > first_weights for i in grants), kinds
-    # rank 2's two groups went back to rank 1, re-admitted at version 1 (with version 1's weights on their way),
-    # and capacity (1 + eta + 1) * B - 2 admitted = 4 filled up with two new groups
+    assert grants and all(i > last_weights for i in grants), kinds
+    # rank 1's two groups went back to rank 2, re-admitted at version 1, and capacity (1 + eta + 1) * B - 2
+    # admitted = 4 filled up with two new groups
     in_flight = head.buffer.in_flight.values()
-    assert sorted(t.group_id for t in in_flight) == [1, 3, 4, 5] and {(t.rank, t.admit_version) for t in in_flight} == {
-        (1, 1)
+    assert sorted(t.group_id for t in in_flight) == [0, 2, 4, 5] and {(t.rank, t.admit_version) for t in in_flight} == {
+        (2, 1)
     }
+
+
+def launch_without_agent(args: list[str], log_prefix: Path, env_extra: dict, nproc: int = 4) -> list:
+    """The ranks of train.py as plain processes (the env torchrun would set): a SIGKILLed rank then ends only
+    itself -- torchrun's agent would end every rank of the job, which resume covers (the tests above)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = {
+            **ENV,
+            **env_extra,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        out, err = open(f"{log_prefix}.{rank}.out", "w"), open(f"{log_prefix}.{rank}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=out, stderr=err))
+    return procs
+
+
+@pytest.mark.parametrize(
+    "signal_name, victim",
+    [("STOP", 2), ("KILL", 2), ("STOP", 3), ("KILL", 3)],
+    ids=["stopped-relay", "killed-relay", "stopped-mate", "killed-mate"],
+)
+def test_rollout_rank_lost_mid_weight_sync_is_dropped_and_the_run_finishes(
+    tmp_path, tiny_model_dir, signal_name, victim
+):
+    """Ranks 2 and 3 are the rollout replicas of one machine: rank 2 receives each bucket from the train ranks and
+    forwards it to rank 3. The victim signals itself half-way through receiving version 3 (about 12 buckets of
+    0.05 MB). It is dropped within dist.rollout_timeout_s and named; the other replica finishes the run with whole
+    versions: every trajectory trained exactly once, the staleness bound kept for every token."""
+    from parallel.weight_sync import FAULT_ENV
+
+    run, timeout = tmp_path / "r", 4
+    args = base_args(tiny_model_dir, tmp_path, 1, [f"dist.rollout_timeout_s={timeout}", "dist.weight_bucket_mb=0.05"])
+    args = [a for a in args if a not in ("checkpoint.every=2", "resume=auto")] + ["checkpoint.every=0"]
+    procs = launch_without_agent(args, tmp_path / "l", {FAULT_ENV: f"{victim}:3:{signal_name}"})
+    try:
+        head_rc = procs[0].wait(timeout=240)
+        err = (tmp_path / "l.0.err").read_text()
+        assert head_rc == 3, err[-3000:]  # finished, naming the lost rank, so a launcher reclaims it
+        assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [{victim}]" in err, err[-3000:]
+        assert f"warning: rollout rank {victim}" in err, err[-3000:]
+        other = 5 - victim
+        assert procs[other].wait(timeout=60) == 0, (tmp_path / f"l.{other}.err").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", victim)], events
+    lost = [m for m in step_lines(run) if m["step"] == 3]
+    assert lost and lost[0]["weight_sync_s"] < timeout + 10, lost  # dropped within the timeout (+ its re-send)
+    check_run(run, 1, f"{signal_name} rank {victim} mid-sync")
 
 
 class ScriptedChannel(RecordingChannel):

@@ -18,7 +18,6 @@ from train import (
     RolloutPool,
     SetupError,
     StepMetrics,
-    WeightAcks,
 )
 
 
@@ -206,17 +205,7 @@ def test_an_empty_held_out_set_finishes_at_once():
     assert book.finished() == [] and not book.pending
 
 
-# ---------------------------------------------------------------------------------------------- weights, non-finite
-def test_weight_acks_keep_the_newest_version_per_rank():
-    acks = WeightAcks([1, 2, 3])
-    acks.taken(1, 4)
-    acks.taken(1, 2)  # a late, older acknowledgement does not move it back
-    acks.taken(2, 3)
-    acks.taken(9, 5)  # not a rollout rank
-    assert acks.late([1, 2, 3], 4) == [2, 3]
-    assert acks.late([1, 2], 3) == []
-
-
+# ---------------------------------------------------------------------------------------------- non-finite
 def test_non_finite_guard_stops_after_the_limit_in_a_row(capsys):
     guard = NonFiniteGuard(limit=2)
     guard.record(False, 1)

@@ -70,9 +70,9 @@ def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(tmp_path, tiny_m
 
     weights = torch.load(run / "checkpoints" / f"step_{STEPS}" / "train_rank0.pt", weights_only=True)["trainer"]
     model_bytes = sum(t.numel() * 4 for t in weights["model"].values())  # fp32 on CPU, sent to the one leader
-    assert all(
-        m["weight_sync_bytes"] == model_bytes and m["weight_sync_dtype"] == "float32" for m in lines if "loss" in m
-    )
+    for m in (m for m in lines if "loss" in m):  # the model once (+ each bucket's checksum), as the planner says
+        assert m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"], m
+        assert model_bytes < m["weight_sync_bytes"] < 1.01 * model_bytes and m["weight_sync_dtype"] == "float32", m
     layout = json.loads((run / "layout.json").read_text())  # what ran, rank by rank, is what was planned
     assert layout_mismatches(json.loads(plan.read_text()), layout) == []
     roles = [(r["role"], r["replica"], r["tp_rank"]) for r in layout[2:]]

@@ -264,9 +264,6 @@ def worker(tmp: str, mode: str) -> None:
             got.append(canon(trajs))
             return {"loss": 0.0, "grad_norm": 0.0, "trained_tokens": float(sum(len(t.response_ids) for t in trajs))}
 
-        def gather_full_state_dict(self):
-            return {}
-
     if rank >= 2:
         w = RolloutWorker.__new__(RolloutWorker)  # only its messaging: no model
         w.cfg, w.head, w.is_leader, w.channel, w.last_sent = cfg, 0, True, Channel([0]), time.monotonic()
