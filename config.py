@@ -88,6 +88,7 @@ class TrainConfig:
     min_microbatches: int = 0  # per DP rank and minibatch; 0 = the pipeline depth (keeps every stage busy)
     grad_bucket_mb: float = 25.0  # DP gradient all-reduce bucket
     logprob_chunk_tokens: int = 1024  # log-probs / entropy this many tokens at a time (0 = a micro-batch at once)
+    activation_checkpointing: bool = False  # per decoder layer: keep its input, recompute it in backward
     advantage_eps: float = 1e-6
     max_nonfinite_steps: int = 3  # skip a non-finite loss; stop after this many in a row
     seed: int = 1
@@ -305,6 +306,7 @@ RESUMABLE_KEYS = {
     "plan.num_rollout",
     "rollout.max_pending_scores",
     "train.logprob_chunk_tokens",  # memory only: the values are the same
+    "train.activation_checkpointing",  # memory only: the values are the same
     *MOVED,  # a checkpoint written before the move holds them under plan.*
     *MOVED.values(),
 }

@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
 
@@ -266,6 +267,9 @@ class DecoderStage(nn.Module):
         if not (0 <= start < end <= cfg.num_hidden_layers):
             raise ValueError(f"stage layers [{start},{end}) outside the model's {cfg.num_hidden_layers} layers")
         self.config, self.layer_range, self.first, self.last = cfg, (start, end), first, last
+        # per-layer activation checkpointing (torch.utils.checkpoint): a layer keeps only its input and recomputes
+        # the rest in backward -- its TP collectives too, in the same order on every TP rank, so they pair up
+        self.activation_checkpointing = False
         self.tp = TPContext(tp_rank, tp, tp_group)
         self.tied = bool(getattr(cfg, "tie_word_embeddings", False))
         self.vocab_start = tp_rank * (cfg.vocab_size // tp)
@@ -318,7 +322,10 @@ class DecoderStage(nn.Module):
         h = self.model.embed_tokens(x, self.tp) if self.first else x
         cos, sin = self.rotary_emb(h, position_ids)
         for layer in self.model.layers.values():
-            h = layer(h, cos, sin, packed, self.tp)
+            if self.activation_checkpointing and torch.is_grad_enabled():
+                h = checkpoint(layer, h, cos, sin, packed, self.tp, use_reentrant=False)
+            else:
+                h = layer(h, cos, sin, packed, self.tp)
         if not self.last:
             return h
         h = self.tp.copy(self.model.norm(h))

@@ -121,6 +121,7 @@ class Trainer:
             groups.tp,
             groups.tp_group,
         ).to(self.device)
+        self.stage.activation_checkpointing = config.activation_checkpointing
         del hf_model
         self.params = dict(self.stage.named_parameters())
         self.optimizer = torch.optim.AdamW(

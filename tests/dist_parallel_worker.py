@@ -105,10 +105,18 @@ TEMPERATURE = 0.9  # the rollout temperature the trajectories were sampled at
 
 
 def trainer_config(**overrides) -> TrainConfig:
-    """The `train` section these tests train with: no importance-weight cap, Adam's textbook betas and chunked
-    log-probs unless set."""
+    """The `train` section these tests train with: no importance-weight cap, Adam's textbook betas, chunked
+    log-probs and per-layer activation checkpointing unless set."""
     # log-probs in chunks of 7 tokens: every micro-batch (up to 24 tokens) is split, unevenly
-    return TrainConfig(**{"betas": [0.9, 0.999], "behav_imp_weight_cap": 0.0, "logprob_chunk_tokens": 7, **overrides})
+    return TrainConfig(
+        **{
+            "betas": [0.9, 0.999],
+            "behav_imp_weight_cap": 0.0,
+            "logprob_chunk_tokens": 7,
+            "activation_checkpointing": True,
+            **overrides,
+        }
+    )
 
 
 def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: float) -> torch.Tensor:
