@@ -108,6 +108,36 @@ def test_plan_roundtrip_and_errors():
 # single rank (world of 1): bf16 path, bad trajectories, checkpoint round trip
 
 
+@pytest.mark.parametrize("pp, pp_rank", [(2, 0), (4, 0), (4, 1), (4, 3)])
+def test_1f1b_keeps_at_most_pp_minus_rank_microbatches_alive(pp, pp_rank):
+    """Activation memory under 1F1B: stage k of pp holds at most pp - k micro-batches between forward and
+    backward (the first stage pp), whatever the minibatch's size -- not the whole minibatch."""
+    import types
+
+    from parallel.pipeline import train_1f1b
+
+    m = 12
+    w = torch.ones(3, requires_grad=True)
+    live, peak, order = [0], [0], []
+    last = pp_rank == pp - 1
+
+    def exchange(sends, recvs):
+        return [torch.ones(shape) for shape, _ in recvs]
+
+    links = types.SimpleNamespace(first=pp_rank == 0, last=last, prev=0, next=0, exchange=exchange)
+
+    def step(i, x):
+        live[0] += 1
+        peak[0] = max(peak[0], live[0])
+        y = w * (i + 1) if x is None else w * x
+        y.register_hook(lambda g, i=i: (order.append(i), live.__setitem__(0, live[0] - 1), g)[-1])
+        return y.sum() if last else y
+
+    train_1f1b(links, m, lambda i: (3,), step, pp_rank, pp)
+    assert order == list(range(m)) and live[0] == 0  # every micro-batch backwarded once, in order
+    assert peak[0] == min(pp - pp_rank, m)
+
+
 def test_activation_checkpointing_is_exact_and_saves_less(world_of_one):
     """Per-layer checkpointing (train.activation_checkpointing) gives the loss and every gradient bit for bit (fp32,
     CPU), and really is on: far fewer bytes are saved for backward than without it."""
