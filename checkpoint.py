@@ -149,8 +149,14 @@ def load_train_shard(trainer, checkpoint: Path, rank: int, num_train_ranks: int)
     if not path.exists():
         raise CheckpointError(f"checkpoint {checkpoint} has no shard for train rank {rank}")
     state = torch.load(path, map_location="cpu", weights_only=True)
+    weights = None
+    if state["trainer"]["model"] is None:  # a DP rank > 0: the weights are in its DP rank 0's shard
+        peer = checkpoint / f"train_rank{trainer.groups.dp_ranks[0]}.pt"
+        if not peer.exists():
+            raise CheckpointError(f"checkpoint {checkpoint} has no shard for train rank {trainer.groups.dp_ranks[0]}")
+        weights = torch.load(peer, map_location="cpu", weights_only=True)["trainer"]["model"]
     try:
-        trainer.load_checkpoint_state(state["trainer"])
+        trainer.load_checkpoint_state(state["trainer"], weights)
     except ValueError as e:
         raise CheckpointError(f"{path}: {e}") from None
     set_rng_state(state["rng"])

@@ -89,6 +89,7 @@ class TrainConfig:
     grad_bucket_mb: float = 25.0  # DP gradient all-reduce bucket
     logprob_chunk_tokens: int = 1024  # log-probs / entropy this many tokens at a time (0 = a micro-batch at once)
     activation_checkpointing: bool = False  # per decoder layer: keep its input, recompute it in backward
+    shard_optimizer: bool = True  # ZeRO-1: AdamW moments partitioned over the DP ranks (dp > 1)
     advantage_eps: float = 1e-6
     max_nonfinite_steps: int = 3  # skip a non-finite loss; stop after this many in a row
     seed: int = 1

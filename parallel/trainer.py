@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 import cost_model as cm
 from config import TrainConfig
@@ -124,13 +125,16 @@ class Trainer:
         self.stage.activation_checkpointing = config.activation_checkpointing
         del hf_model
         self.params = dict(self.stage.named_parameters())
-        self.optimizer = torch.optim.AdamW(
-            self.params.values(),
-            lr=config.lr,
-            betas=tuple(config.betas),
-            eps=config.eps,
-            weight_decay=config.weight_decay,
-        )
+        adamw = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps, "weight_decay": config.weight_decay}
+        # ZeRO-1 over the DP group (torch's ZeroRedundancyOptimizer): each DP rank keeps the AdamW moments of its
+        # partition of the stage's parameters, steps them and broadcasts them; the math per parameter is AdamW's
+        self.zero = config.shard_optimizer and groups.dp > 1
+        if self.zero:
+            self.optimizer = ZeroRedundancyOptimizer(
+                list(self.params.values()), torch.optim.AdamW, process_group=groups.dp_group, **adamw
+            )
+        else:
+            self.optimizer = torch.optim.AdamW(self.params.values(), **adamw)
         self.links = StageLinks.from_groups(groups, self.device)
         self._sync_buckets: dict[tuple[int, int], list[cm.SyncBucket]] = {}
         self.autocast_dtype = compute_dtype if compute_dtype != torch.float32 else None
@@ -505,21 +509,30 @@ class Trainer:
         }
 
     def checkpoint_state(self) -> dict:
+        """This rank's shard: its stage / TP slice of the weights (written by DP rank 0 only: the DP replicas hold
+        the same) and its optimizer state (under ZeRO only its partition's)."""
+        local = self.optimizer.optim if self.zero else self.optimizer
         return {
-            "model": {n: p.detach().cpu().clone() for n, p in self.params.items()},
-            "optimizer": self.optimizer.state_dict(),
+            "model": {n: p.detach().cpu().clone() for n, p in self.params.items()}
+            if self.groups.dp_rank == 0
+            else None,
+            "optimizer": local.state_dict(),
             "step": self.step,
             "layout": self._layout(),
         }
 
-    def load_checkpoint_state(self, state: dict) -> None:
+    def load_checkpoint_state(self, state: dict, weights: dict | None = None) -> None:
+        """`weights`: the stage's weights when this rank's shard holds none (DP rank > 0: its DP rank 0's)."""
         if state.get("layout") != self._layout():
             raise ValueError(f"checkpoint layout {state.get('layout')} does not match this rank's {self._layout()}")
-        missing = set(self.params) ^ set(state["model"])
+        weights = state["model"] if state["model"] is not None else weights
+        if weights is None:
+            raise ValueError("the shard holds no weights and none were given (DP rank 0's shard is missing)")
+        missing = set(self.params) ^ set(weights)
         if missing:
             raise ValueError(f"checkpoint parameter names differ from this shard's: {sorted(missing)[:5]}")
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(state["model"][n].to(p.device))
-        self.optimizer.load_state_dict(state["optimizer"])
+                p.copy_(weights[n].to(p.device))
+        (self.optimizer.optim if self.zero else self.optimizer).load_state_dict(state["optimizer"])
         self.step = int(state["step"])

@@ -183,6 +183,16 @@ def test_sigkill_train_then_rollout_rank_resume_exactly_once(tmp_path, tiny_mode
     sd = model.state_dict()
     for name, value in shard["model"].items():  # DP: rank 0 holds every parameter
         assert torch.equal(sd[name], value), (note, name)
+    # sharded like the state: DP rank 1 writes no weights, and each AdamW moment lives in exactly one shard (ZeRO-1)
+    other = torch.load(run / "checkpoints" / "step_6" / "train_rank1.pt", weights_only=True)["trainer"]
+    assert other["model"] is None, note
+
+    def moments(s):
+        return sum(t.numel() for st in s["optimizer"]["state"].values() for k, t in st.items() if k != "step")
+
+    params = sum(t.numel() for t in shard["model"].values())
+    assert moments(shard) + moments(other) == 2 * params, note  # exp_avg + exp_avg_sq, once each
+    assert max(moments(shard), moments(other)) < 0.75 * 2 * params, note
 
 
 def test_stuck_rollout_rank_is_dropped_and_named(tmp_path, tiny_model_dir):
