@@ -81,7 +81,13 @@ class TrainConfig:
     eps: float = 1e-8
     grad_clip: float = 1.0  # max global grad norm; 0 = no clipping
     clip_eps: float = 0.2
-    behav_imp_weight_cap: float = 5.0  # 0 = no cap
+    behav_imp_weight_cap: float = 5.0  # 0 = no cap (the cap of behav_correction mask / tis)
+    # off-policy correction of pi_prox / pi_behav (parallel/ppo.py behaviour_correction): mask (AReaL: drop tokens
+    # above the cap) | tis (truncate at the cap) | mis-seq / mis-geo (drop sequences whose ratio / geometric-mean
+    # ratio leaves behav_correction_bounds) | icepop (drop tokens outside the bounds)
+    behav_correction: str = "mask"
+    behav_correction_bounds: list = field(default_factory=lambda: [0.5, 2.0])
+    loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     recompute_prox_logprobs: bool = True  # decoupled PPO (AReaL); False = standard PPO (prox = behaviour)
     ppo_minibatches: int = 1
     micro_batch_tokens: int = 8192
@@ -280,6 +286,23 @@ def validate(cfg: Config) -> None:
         (cfg.train.logprob_chunk_tokens >= 0, "train.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
         (cfg.rollout.max_seq_len > cfg.rollout.max_new_tokens, "rollout.max_seq_len must exceed max_new_tokens"),
         (len(cfg.train.betas) == 2, "train.betas must be a list of two floats"),
+        (
+            cfg.train.behav_correction in ("mask", "tis", "mis-seq", "mis-geo", "icepop"),
+            "train.behav_correction must be mask|tis|mis-seq|mis-geo|icepop",
+        ),
+        (
+            cfg.train.behav_correction != "tis" or cfg.train.behav_imp_weight_cap > 0,
+            "train.behav_correction=tis truncates at train.behav_imp_weight_cap, which must be > 0",
+        ),
+        (
+            len(cfg.train.behav_correction_bounds) == 2
+            and 0 < cfg.train.behav_correction_bounds[0] <= 1 <= cfg.train.behav_correction_bounds[1],
+            "train.behav_correction_bounds must be [low, high] with 0 < low <= 1 <= high",
+        ),
+        (
+            cfg.train.loss_aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
+            "train.loss_aggregation must be token-mean|seq-mean-token-mean|seq-mean-token-sum",
+        ),
     ]
     for ok, msg in checks:
         if not ok:

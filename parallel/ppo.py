@@ -12,6 +12,8 @@ Conventions
 
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -19,6 +21,70 @@ from torch.utils.checkpoint import checkpoint
 
 # ----------------------------------------------------------------------------------------------------------------
 # decoupled PPO (AReaL): three policies, pi_theta (current), pi_prox (proximal), pi_behav (behaviour / rollout)
+
+
+CORRECTIONS = ("mask", "tis", "mis-seq", "mis-geo", "icepop")
+AGGREGATIONS = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum")
+
+
+def behaviour_correction(
+    log_w: torch.Tensor,
+    valid: torch.Tensor,
+    mode: str = "mask",
+    cap: float = 0.0,
+    bounds: tuple[float, float] = (0.5, 2.0),
+    seq_index: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Off-policy correction of the behaviour importance weight w = pi_prox / pi_behav = exp(log_w), per token.
+    Returns (weight, keep): the factor each kept token's surrogate is multiplied by, and which tokens are kept.
+      mask     AReaL: tokens with w > cap are dropped (cap 0: none), kept ones weigh w
+      tis      token-level truncated IS: no token dropped, weight min(w, cap)
+      mis-seq  sequence-level mask: a sequence whose ratio prod(w) falls outside `bounds` is dropped whole
+      mis-geo  the same on the geometric mean exp(mean(log w)) of the sequence
+      icepop   two-sided token mask: tokens with w outside `bounds` are dropped
+    Kept tokens of the masking modes weigh w. `seq_index` (the sequence of each token) is needed by mis-*.
+    Dropped tokens stay in the loss's denominator (aggregation), so dropping never inflates the gradient."""
+    if mode not in CORRECTIONS:
+        raise ValueError(f"behaviour correction must be one of {CORRECTIONS}, got {mode!r}")
+    log_w = torch.where(valid, log_w, 0.0)
+    w = torch.exp(log_w)
+    low, high = bounds
+    if mode == "mask":
+        return w, (valid & (w <= cap)) if cap > 0 else valid
+    if mode == "tis":
+        if cap <= 0:
+            raise ValueError("behaviour correction 'tis' needs a cap > 0 (train.behav_imp_weight_cap)")
+        return w.clamp(max=cap), valid
+    if mode == "icepop":
+        return w, valid & (w >= low) & (w <= high)
+    if seq_index is None:
+        raise ValueError(f"behaviour correction {mode!r} needs the sequence index of every token")
+    n = int(seq_index.max()) + 1 if seq_index.numel() else 0
+    flat_valid, flat_idx = valid.reshape(-1), seq_index.reshape(-1)
+    seq_log = torch.zeros(n, dtype=torch.float64, device=log_w.device)
+    seq_log.index_add_(0, flat_idx[flat_valid], log_w.reshape(-1)[flat_valid].double())
+    if mode == "mis-geo":
+        count = torch.zeros(n, dtype=torch.float64, device=log_w.device)
+        count.index_add_(0, flat_idx[flat_valid], torch.ones_like(seq_log[flat_idx[flat_valid]]))
+        seq_log = seq_log / count.clamp(min=1)
+    seq_ok = (seq_log >= math.log(low)) & (seq_log <= math.log(high))
+    return w, valid & seq_ok[seq_index]
+
+
+def aggregation_weights(response_lengths: list[int], mode: str = "token-mean") -> list[float]:
+    """Loss weight of each response token of each sequence of one minibatch (all DP ranks):
+      token-mean           1 / (tokens in the minibatch)          (AReaL, DAPO)
+      seq-mean-token-mean  1 / (sequences x the sequence's tokens) (GRPO's original)
+      seq-mean-token-sum   1 / sequences                           (Dr. GRPO-style sums per sequence)
+    The loss is the weighted token sum, so any split of the minibatch sums to the same loss and gradient."""
+    if mode not in AGGREGATIONS:
+        raise ValueError(f"loss aggregation must be one of {AGGREGATIONS}, got {mode!r}")
+    n_seq, n_tok = len(response_lengths), sum(response_lengths)
+    if mode == "token-mean":
+        return [1.0 / max(n_tok, 1)] * n_seq
+    if mode == "seq-mean-token-mean":
+        return [1.0 / (n_seq * max(r, 1)) for r in response_lengths]
+    return [1.0 / n_seq] * n_seq
 
 
 def decoupled_ppo_terms(
@@ -29,12 +95,15 @@ def decoupled_ppo_terms(
     mask: torch.Tensor,
     clip_eps: float,
     behav_imp_weight_cap: float = 0.0,
+    correction: str = "mask",
+    bounds: tuple[float, float] = (0.5, 2.0),
+    seq_index: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Per-token terms of the decoupled PPO objective; every tensor has the shape of `logp`.
 
-    Returns pg (clipped surrogate, already multiplied by the behaviour weight and the loss mask),
-    loss_mask (mask after cap masking, bool), clipped (bool, token where the clipped branch is active),
-    imp_weight (w = pi_prox / pi_behav, no grad; 1 at tokens outside `mask`).
+    Returns pg (clipped surrogate, already multiplied by the corrected behaviour weight and the loss mask),
+    loss_mask (tokens kept by the correction, bool), clipped (bool, token where the clipped branch is active),
+    imp_weight (w = pi_prox / pi_behav, uncorrected, no grad; 1 at tokens outside `mask`).
     Tokens outside the loss mask contribute exactly 0 to pg and to its gradient, whatever values they hold.
     """
     shapes = {t.shape for t in (logp, prox_logp, behav_logp, advantages, mask)}
@@ -47,17 +116,16 @@ def decoupled_ppo_terms(
     # and the products, because a torch.where on the output alone keeps the forward finite but its backward still
     # multiplies 0 by the inf/nan of the unselected branch.
     prox_logp = torch.where(valid, prox_logp.detach(), 0.0)
-    imp_weight = torch.exp(prox_logp - torch.where(valid, behav_logp.detach(), 0.0))
-    loss_mask = valid
-    if behav_imp_weight_cap > 0:  # 0 = no cap
-        loss_mask = valid & (imp_weight <= behav_imp_weight_cap)
+    log_w = prox_logp - torch.where(valid, behav_logp.detach(), 0.0)
+    weight, loss_mask = behaviour_correction(log_w, valid, correction, behav_imp_weight_cap, bounds, seq_index)
+    imp_weight = torch.exp(torch.where(valid, log_w, 0.0))
     ratio = torch.exp(torch.where(loss_mask, logp, 0.0) - torch.where(loss_mask, prox_logp, 0.0))
     advantages = torch.where(loss_mask, advantages, 0.0)
     clipped_ratio = ratio.clamp(1.0 - clip_eps, 1.0 + clip_eps)
     pg_unclipped = -advantages * ratio
     pg_clipped = -advantages * clipped_ratio
     pg = torch.maximum(pg_unclipped, pg_clipped)
-    pg = pg * torch.where(loss_mask, imp_weight, 0.0)
+    pg = pg * torch.where(loss_mask, weight, 0.0)
     clipped = (pg_clipped > pg_unclipped) & loss_mask
     return {"pg": pg, "loss_mask": loss_mask, "clipped": clipped, "imp_weight": imp_weight, "valid": valid}
 
@@ -71,22 +139,32 @@ def decoupled_ppo_loss(
     clip_eps: float,
     behav_imp_weight_cap: float = 0.0,
     num_valid_tokens: int | float | torch.Tensor | None = None,
+    correction: str = "mask",
+    bounds: tuple[float, float] = (0.5, 2.0),
+    seq_index: torch.Tensor | None = None,
+    token_weight: torch.Tensor | float | None = None,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """loss = sum(max(-A r, -A clip(r, 1-eps, 1+eps)) * w * mask) / num_valid_tokens,
-    r = exp(logp - prox_logp), w = exp(prox_logp - behav_logp) (no grad); tokens with w > cap are masked out
-    (the denominator keeps them, so masking never inflates the gradient). prox_logp == behav_logp gives standard PPO.
+    """loss = sum(max(-A r, -A clip(r, 1-eps, 1+eps)) * c(w) * keep * token_weight),
+    r = exp(logp - prox_logp), w = exp(prox_logp - behav_logp) (no grad), (c, keep) = behaviour_correction;
+    token_weight defaults to 1 / num_valid_tokens (token-mean; masked tokens stay in the denominator).
+    prox_logp == behav_logp gives standard PPO.
 
     stats (over the tokens of `mask`): pg_clipfrac (fraction of loss tokens where the clip is active),
     importance_weight_mean / importance_weight_max, num_valid_tokens, num_loss_tokens.
     """
-    terms = decoupled_ppo_terms(logp, prox_logp, behav_logp, advantages, mask, clip_eps, behav_imp_weight_cap)
+    terms = decoupled_ppo_terms(
+        logp, prox_logp, behav_logp, advantages, mask, clip_eps, behav_imp_weight_cap, correction, bounds, seq_index
+    )
     valid = terms["valid"]
     n_valid = int(valid.sum())
-    if num_valid_tokens is None:
-        num_valid_tokens = n_valid
-    if float(num_valid_tokens) <= 0:
-        raise ValueError("decoupled_ppo_loss: num_valid_tokens must be > 0 (no response token in the batch?)")
-    loss = terms["pg"].sum() / num_valid_tokens
+    if token_weight is None:
+        if num_valid_tokens is None:
+            num_valid_tokens = n_valid
+        if float(num_valid_tokens) <= 0:
+            raise ValueError("decoupled_ppo_loss: num_valid_tokens must be > 0 (no response token in the batch?)")
+        loss = terms["pg"].sum() / num_valid_tokens
+    else:
+        loss = (terms["pg"] * token_weight).sum()
     n_loss = int(terms["loss_mask"].sum())
     w = terms["imp_weight"][valid]
     stats = {

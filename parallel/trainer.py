@@ -27,6 +27,7 @@ from config import TrainConfig
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
 from parallel.ppo import (
+    aggregation_weights,
     chunked_over_tokens,
     decoupled_ppo_terms,
     token_logprobs_and_entropy,
@@ -46,6 +47,8 @@ class MicroBatch:
     loss_mask: torch.Tensor  # [1, T] bool: t predicts a response token
     behav_logp: torch.Tensor  # [1, T]
     advantages: torch.Tensor  # [1, T]
+    seq_index: torch.Tensor  # [1, T] long: which of `seqs` each position belongs to
+    loss_weight: torch.Tensor  # [1, T] fp32: each response token's weight in the loss (train.loss_aggregation)
     prox_logp: torch.Tensor | None = None
 
     @property
@@ -160,11 +163,13 @@ class Trainer:
         num_valid = sum(len(t.response_ids) for t in trajs)
         mine = balanced_partition(lengths, g.dp)[g.dp_rank]
         packs = dynamic_microbatches([lengths[i] for i in mine], self.cfg.micro_batch_tokens, self._min_microbatches())
+        # weights from the whole minibatch (every DP rank sees it), so the DP/micro-batch split sums to the same loss
+        token_weight = aggregation_weights([len(t.response_ids) for t in trajs], self.cfg.loss_aggregation)
         mb = Minibatch(num_valid_tokens=num_valid)
         for pack in packs:
             seqs = [mine[j] for j in pack]
-            ids, tgt, mask, behav, adv = [], [], [], [], []
-            for i in seqs:
+            ids, tgt, mask, behav, adv, index, weight = [], [], [], [], [], [], []
+            for k, i in enumerate(seqs):
                 tr = trajs[i]
                 seq = list(tr.prompt_ids) + list(tr.response_ids)
                 p, r = len(tr.prompt_ids), len(tr.response_ids)
@@ -173,6 +178,8 @@ class Trainer:
                 mask += [False] * (p - 1) + [True] * r + [False]
                 behav += [0.0] * (p - 1) + [float(x) for x in tr.behav_logprobs] + [0.0]
                 adv += [0.0] * (p - 1) + [float(tr.advantage)] * r + [0.0]
+                index += [k] * len(seq)
+                weight += [0.0] * (p - 1) + [token_weight[i]] * r + [0.0]
 
             def as_row(xs: list, dt: torch.dtype) -> torch.Tensor:
                 return torch.tensor(xs, dtype=dt, device=self.device)[None]
@@ -186,6 +193,8 @@ class Trainer:
                     as_row(mask, torch.bool),
                     as_row(behav, torch.float32),
                     as_row(adv, torch.float32),
+                    as_row(index, torch.long),
+                    as_row(weight, torch.float32),
                 )
             )
         return mb
@@ -249,7 +258,7 @@ class Trainer:
         for p in self.params.values():
             p.grad = torch.zeros_like(p)
         stats = torch.zeros(7, dtype=torch.float64, device=self.device)
-        micro, n_global = minibatch.micro, minibatch.num_valid_tokens
+        micro = minibatch.micro
 
         def step(i: int, x):
             m = micro[i]
@@ -261,10 +270,20 @@ class Trainer:
                 prox = logp.detach()
             else:
                 prox = m.prox_logp if m.prox_logp is not None else m.behav_logp
+            c = self.cfg
             t = decoupled_ppo_terms(
-                logp, prox, m.behav_logp, m.advantages, m.loss_mask, self.cfg.clip_eps, self.cfg.behav_imp_weight_cap
+                logp,
+                prox,
+                m.behav_logp,
+                m.advantages,
+                m.loss_mask,
+                c.clip_eps,
+                c.behav_imp_weight_cap,
+                c.behav_correction,
+                tuple(c.behav_correction_bounds),
+                m.seq_index,
             )
-            loss = t["pg"].sum() / n_global
+            loss = (t["pg"] * m.loss_weight).sum()
             valid = t["valid"]
             w = t["imp_weight"][valid]
             stats.add_(

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import math
 import os
 import sys
 import traceback
@@ -28,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from config import TrainConfig  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
-from parallel.ppo import decoupled_ppo_loss, token_logprobs_and_entropy  # noqa: E402
+from parallel.ppo import aggregation_weights, decoupled_ppo_loss, token_logprobs_and_entropy  # noqa: E402
 from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.tensor_parallel import slice_shard  # noqa: E402
 from parallel.trainer import Trainer  # noqa: E402
@@ -120,9 +121,11 @@ def trainer_config(**overrides) -> TrainConfig:
 
 
 def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: float) -> torch.Tensor:
-    n = sum(len(t.response_ids) for t in trajs)
+    """One sequence at a time through a plain HF forward: the correction sees each sequence alone, the
+    aggregation weights come from the whole minibatch."""
+    weights = aggregation_weights([len(t.response_ids) for t in trajs], cfg.loss_aggregation)
     loss = 0.0
-    for tr, px in zip(trajs, prox):
+    for tr, px, wt in zip(trajs, prox, weights):
         lp = seq_logprobs(model, tr, temperature)
         r = len(tr.response_ids)
         loss = (
@@ -135,7 +138,10 @@ def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: 
                 torch.ones(r, dtype=torch.bool),
                 cfg.clip_eps,
                 cfg.behav_imp_weight_cap,
-                num_valid_tokens=n,
+                correction=cfg.behav_correction,
+                bounds=tuple(cfg.behav_correction_bounds),
+                seq_index=torch.zeros(r, dtype=torch.long),
+                token_weight=wt,
             )[0]
         )
     return loss
@@ -190,18 +196,37 @@ def main() -> int:
 
     for kind in args.models.split(","):
         model = tiny_model(kind)
+        # Qwen2: AReaL's cap mask and token-mean; Llama: a sequence-level geometric-mean mask (some sequences of
+        # the stale behaviour policy fall outside it) and GRPO's per-sequence token mean
+        variant = (
+            {"behav_imp_weight_cap": 3.0}
+            if kind == "qwen2"
+            else {
+                "behav_correction": "mis-geo",
+                "behav_correction_bounds": [0.85, 1.2],
+                "loss_aggregation": "seq-mean-token-mean",
+            }
+        )
         cfg = trainer_config(
             lr=1e-3,
             weight_decay=0.01,
             eps=1e-6,
             grad_clip=1.0,
             clip_eps=0.2,
-            behav_imp_weight_cap=3.0,
             recompute_prox_logprobs=True,
             ppo_minibatches=3,
             micro_batch_tokens=24,
+            **variant,
         )
         trajs = make_trajectories(model, 10, TEMPERATURE)
+        if kind != "qwen2":  # the mask must act, or this case could not fail
+            low, high = (math.log(b) for b in cfg.behav_correction_bounds)
+            with torch.no_grad():
+                geo = [
+                    float((seq_logprobs(model, t, TEMPERATURE) - torch.tensor(t.behav_logprobs)).mean()) for t in trajs
+                ]
+            dropped = sum(not low <= x <= high for x in geo)
+            report(f"{kind} mis-geo drops some sequences", 0 < dropped < len(trajs), f"dropped={dropped}/{len(trajs)}")
         ref_loss, ref_grads, ref_losses, ref_after = reference(model, trajs, cfg)
         ref_init = {n: t.clone() for n, t in model.state_dict().items()}
         for layout in args.layouts.split(";"):

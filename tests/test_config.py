@@ -42,13 +42,17 @@ def test_unknown_key_names_the_closest(arg, needle):
         ("staleness.max_staleness=-1", "max_staleness must be >= 0"),
         ("rollout.compile_decode=sometimes", "rollout.compile_decode must be auto\\|always\\|never"),
         ("rollout.flash_attn=maybe", "rollout.flash_attn must be auto\\|always\\|never"),
+        ("train.behav_correction=clip", "train.behav_correction must be mask\\|tis"),
+        ("train.behav_correction=tis", "truncates at train.behav_imp_weight_cap"),  # with a cap of 0 below
+        ("train.behav_correction_bounds=[1.5,2.0]", "behav_correction_bounds must be \\[low, high\\]"),
+        ("train.loss_aggregation=seq-sum", "train.loss_aggregation must be token-mean"),
         ("lr", "not of the form key=value"),
         ("config=nope", "config 'nope' not found"),
     ],
 )
 def test_bad_values_are_one_clear_error(arg, needle):
     with pytest.raises(ConfigError, match=needle):
-        load_config([arg])
+        load_config([arg, "train.behav_imp_weight_cap=0"] if "tis" in arg else [arg])
 
 
 def test_every_shipped_config_loads():

@@ -12,6 +12,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from parallel.ppo import (
+    aggregation_weights,
+    behaviour_correction,
     chunked_over_tokens,
     decoupled_ppo_loss,
     token_logprobs_and_entropy,
@@ -60,6 +62,82 @@ def test_decoupled_loss_matches_formula(cap):
     assert stats["importance_weight_max"] == pytest.approx(w.max(), rel=1e-12)
     keep = mask & ((np.exp(prox - behav) <= cap) if cap > 0 else True)
     assert stats["num_loss_tokens"] == keep.sum()
+
+
+# ---------------------------------------------------------------------------------------------- off-policy corrections
+def direct_correction(log_w, mask, seq, mode, cap, low, high):
+    """(weight, keep) per token, one token and one sequence at a time, from the definitions."""
+    n = len(log_w)
+    w = [math.exp(log_w[i]) if mask[i] else 1.0 for i in range(n)]
+    seq_ratio = {}
+    for s in set(seq):
+        logs = [log_w[i] for i in range(n) if seq[i] == s and mask[i]]
+        total = sum(logs)
+        seq_ratio[s] = math.exp(total / len(logs) if mode == "mis-geo" and logs else total)
+    weight, keep = [], []
+    for i in range(n):
+        if mode == "mask":
+            k = mask[i] and (cap <= 0 or w[i] <= cap)
+        elif mode == "icepop":
+            k = mask[i] and low <= w[i] <= high
+        elif mode == "tis":
+            k = bool(mask[i])
+        else:
+            k = mask[i] and low <= seq_ratio[seq[i]] <= high
+        weight.append(min(w[i], cap) if mode == "tis" else w[i])
+        keep.append(bool(k))
+    return weight, keep
+
+
+@pytest.mark.parametrize("mode", ["mask", "tis", "mis-seq", "mis-geo", "icepop"])
+def test_behaviour_corrections_match_their_definitions(mode):
+    g = np.random.default_rng(3)
+    n = 40
+    log_w = g.normal(0, 0.6, n)
+    mask = g.random(n) > 0.2
+    seq = np.sort(g.integers(0, 7, n))  # 7 sequences packed in one row
+    cap, low, high = 1.6, 0.6, 1.7
+    if mode == "mis-geo":  # a mean of ~6 log-weights varies less: tighter bounds, so the mask acts
+        low, high = 0.85, 1.15
+    weight, keep = behaviour_correction(t(log_w), t(mask, torch.bool), mode, cap, (low, high), t(seq, torch.long))
+    want_w, want_k = direct_correction(log_w.tolist(), mask.tolist(), seq.tolist(), mode, cap, low, high)
+    assert keep.tolist() == want_k
+    assert 0 < sum(want_k) < mask.sum() or mode == "tis"  # the case is one where the mode acts
+    np.testing.assert_allclose(weight.numpy()[mask], np.array(want_w)[mask], rtol=1e-12)
+
+
+def test_aggregation_weights_and_a_weighted_loss():
+    lens = [3, 1, 4]
+    assert aggregation_weights(lens, "token-mean") == [1 / 8] * 3
+    assert aggregation_weights(lens, "seq-mean-token-mean") == [1 / 9, 1 / 3, 1 / 12]
+    assert aggregation_weights(lens, "seq-mean-token-sum") == [1 / 3] * 3
+    # a loss weighted per sequence is the per-sequence losses, each a token mean, averaged over sequences
+    logp, prox, behav, adv, _ = make_inputs(seed=5, n=8)
+    mask = np.ones(8, dtype=bool)
+    seq = [0, 0, 0, 1, 2, 2, 2, 2]
+    weights = aggregation_weights(lens, "seq-mean-token-mean")
+    token_weight = t([weights[s] for s in seq])
+    loss, _ = decoupled_ppo_loss(
+        t(logp), t(prox), t(behav), t(adv), t(mask, torch.bool), 0.2, token_weight=token_weight
+    )
+    per_seq = []
+    for s, r in enumerate(lens):
+        idx = [i for i in range(8) if seq[i] == s]
+        sl = np.array(idx)
+        per_seq.append(numpy_decoupled_loss(logp[sl], prox[sl], behav[sl], adv[sl], mask[sl], 0.2, 0.0, r))
+    assert loss.item() == pytest.approx(sum(per_seq) / 3, rel=1e-12)
+
+
+def test_corrections_refuse_what_they_cannot_do():
+    lw, m = torch.zeros(4, dtype=torch.float64), torch.ones(4, dtype=torch.bool)
+    with pytest.raises(ValueError, match="one of"):
+        behaviour_correction(lw, m, "clip")
+    with pytest.raises(ValueError, match="tis.*cap > 0"):
+        behaviour_correction(lw, m, "tis", 0.0)
+    with pytest.raises(ValueError, match="sequence index"):
+        behaviour_correction(lw, m, "mis-seq")
+    with pytest.raises(ValueError, match="one of"):
+        aggregation_weights([1, 2], "seq-sum")
 
 
 def test_global_token_normaliser_makes_splits_add_up():
