@@ -88,6 +88,7 @@ class TrainConfig:
     behav_correction: str = "mask"
     behav_correction_bounds: list = field(default_factory=lambda: [0.5, 2.0])
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
+    kl_coef: float = 0.0  # KL(pi_theta || pi_ref) penalty (k3) to the initial weights; > 0 keeps a frozen copy
     recompute_prox_logprobs: bool = True  # decoupled PPO (AReaL); False = standard PPO (prox = behaviour)
     ppo_minibatches: int = 1
     micro_batch_tokens: int = 8192
@@ -282,6 +283,7 @@ def validate(cfg: Config) -> None:
         (cfg.train.ppo_minibatches >= 1, "train.ppo_minibatches must be >= 1"),
         (cfg.train.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)"),
         (cfg.train.behav_imp_weight_cap >= 0, "train.behav_imp_weight_cap must be >= 0 (0 = no cap)"),
+        (cfg.train.kl_coef >= 0, "train.kl_coef must be >= 0 (0 = no KL term, no reference model)"),
         (cfg.train.min_microbatches >= 0, "train.min_microbatches must be >= 0 (0 = the pipeline depth)"),
         (cfg.train.logprob_chunk_tokens >= 0, "train.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
         (cfg.rollout.max_seq_len > cfg.rollout.max_new_tokens, "rollout.max_seq_len must exceed max_new_tokens"),

@@ -87,6 +87,14 @@ def aggregation_weights(response_lengths: list[int], mode: str = "token-mean") -
     return [1.0 / n_seq] * n_seq
 
 
+def k3_kl(logp: torch.Tensor, ref_logp: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi_theta || pi_ref) at the sampled tokens (Schulman): exp(d) - d - 1 with
+    d = ref_logp - logp; >= 0, unbiased for sampled tokens, its gradient flows through logp. 0 outside `mask`."""
+    mask = mask.bool()
+    d = torch.where(mask, ref_logp.detach(), 0.0) - torch.where(mask, logp, 0.0)
+    return torch.where(mask, torch.exp(d) - d - 1, 0.0)
+
+
 def decoupled_ppo_terms(
     logp: torch.Tensor,
     prox_logp: torch.Tensor,

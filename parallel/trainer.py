@@ -30,6 +30,7 @@ from parallel.ppo import (
     aggregation_weights,
     chunked_over_tokens,
     decoupled_ppo_terms,
+    k3_kl,
     token_logprobs_and_entropy,
     vocab_parallel_logprobs_and_entropy,
 )
@@ -50,6 +51,7 @@ class MicroBatch:
     seq_index: torch.Tensor  # [1, T] long: which of `seqs` each position belongs to
     loss_weight: torch.Tensor  # [1, T] fp32: each response token's weight in the loss (train.loss_aggregation)
     prox_logp: torch.Tensor | None = None
+    ref_logp: torch.Tensor | None = None  # under the frozen reference model (train.kl_coef > 0)
 
     @property
     def num_tokens(self) -> int:
@@ -126,6 +128,19 @@ class Trainer:
             groups.tp_group,
         ).to(self.device)
         self.stage.activation_checkpointing = config.activation_checkpointing
+        # the frozen reference for the KL term (train.kl_coef > 0): the initial weights, sharded like the policy
+        self.ref_stage = None
+        if config.kl_coef > 0:
+            self.ref_stage = DecoderStage(
+                hf_model,
+                groups.layers,
+                groups.is_first_stage,
+                groups.is_last_stage,
+                groups.tp_rank,
+                groups.tp,
+                groups.tp_group,
+            ).to(self.device)
+            self.ref_stage.requires_grad_(False)
         del hf_model
         self.params = dict(self.stage.named_parameters())
         adamw = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps, "weight_decay": config.weight_decay}
@@ -202,7 +217,9 @@ class Trainer:
     # ------------------------------------------------------------------------------------------------------------
     # forward pieces
 
-    def _stage_forward(self, m: MicroBatch, x: torch.Tensor | None) -> torch.Tensor:
+    def _stage_forward(
+        self, m: MicroBatch, x: torch.Tensor | None, stage: torch.nn.Module | None = None
+    ) -> torch.Tensor:
         """first stage reads token ids; returns hidden (fp32, to travel) or, on the last stage, local logits"""
         inp = m.input_ids if self.groups.is_first_stage else x
         pos = packed_position_ids(m.seq_lens, self.device)
@@ -210,7 +227,7 @@ class Trainer:
         with torch.autocast(
             self.device.type, dtype=self.autocast_dtype or torch.float32, enabled=self.autocast_dtype is not None
         ):
-            out = self.stage(inp, pos, packed)
+            out = (stage or self.stage)(inp, pos, packed)
         return out if self.groups.is_last_stage else out.float()
 
     def _logprobs(self, local_logits: torch.Tensor, targets: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -234,18 +251,20 @@ class Trainer:
         return lambda i: (1, micro[i].num_tokens, hidden)
 
     @torch.no_grad()
-    def _recompute_prox(self, minibatches: list[Minibatch]) -> None:
+    def _forward_logprobs(self, minibatches: list[Minibatch], stage: torch.nn.Module, field: str) -> None:
+        """A forward-only pipeline sweep of `stage` (the policy for pi_prox, the frozen reference for the KL)
+        over every micro-batch; the last stage stores the target log-probs in each micro-batch's `field`."""
         micro = [m for mb in minibatches for m in mb.micro]
 
         def step(i: int, x):
-            out = self._stage_forward(micro[i], x)
+            out = self._stage_forward(micro[i], x, stage)
             if self.groups.is_last_stage:
                 return self._logprobs(out, micro[i].targets)[0]
             return out
 
         outs = forward_only(self.links, len(micro), self._act_shape(micro), step)
         for m, logp in zip(micro, outs):
-            m.prox_logp = logp.float()
+            setattr(m, field, logp.float())
 
     # ------------------------------------------------------------------------------------------------------------
     # one minibatch: forward/backward, gradient synchronisation
@@ -253,11 +272,11 @@ class Trainer:
     def forward_backward(self, minibatch: Minibatch, prox_from_forward: bool = False) -> torch.Tensor:
         """Accumulates this rank's gradients for the minibatch (after tied-embedding and DP reduction).
         prox_from_forward: pi_prox := the current parameters, read off this forward (detached).
-        Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, w_max] (zeros off the last
-        stage)."""
+        Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, kl_sum, w_max] (zeros off the
+        last stage)."""
         for p in self.params.values():
             p.grad = torch.zeros_like(p)
-        stats = torch.zeros(7, dtype=torch.float64, device=self.device)
+        stats = torch.zeros(8, dtype=torch.float64, device=self.device)
         micro = minibatch.micro
 
         def step(i: int, x):
@@ -285,6 +304,11 @@ class Trainer:
             )
             loss = (t["pg"] * m.loss_weight).sum()
             valid = t["valid"]
+            kl = torch.zeros((), device=self.device)
+            if m.ref_logp is not None:  # KL to the frozen reference, same aggregation as the surrogate
+                per_token = k3_kl(logp, m.ref_logp, valid)
+                loss = loss + c.kl_coef * (per_token * m.loss_weight).sum()
+                kl = per_token.detach().sum()
             w = t["imp_weight"][valid]
             stats.add_(
                 torch.stack(
@@ -295,12 +319,13 @@ class Trainer:
                         t["clipped"].sum(),
                         w.sum(),
                         entropy.detach()[valid].sum(),
+                        kl,
                         torch.zeros((), device=self.device),
                     ]
                 ).double()
             )
             if w.numel():
-                stats[6] = torch.maximum(stats[6], w.max().double())
+                stats[7] = torch.maximum(stats[7], w.max().double())
             return loss
 
         train_1f1b(self.links, len(micro), self._act_shape(micro), step, self.groups.pp_rank, self.groups.pp)
@@ -373,9 +398,11 @@ class Trainer:
         # training forward's own log-probs (detached), so the separate recompute pass (~1/4 of a step) is skipped
         prox_from_forward = cfg.recompute_prox_logprobs and k == 1
         if cfg.recompute_prox_logprobs and not prox_from_forward:
-            self._recompute_prox(minibatches)
+            self._forward_logprobs(minibatches, self.stage, "prox_logp")
+        if self.ref_stage is not None:
+            self._forward_logprobs(minibatches, self.ref_stage, "ref_logp")
 
-        totals = torch.zeros(7, dtype=torch.float64, device=self.device)
+        totals = torch.zeros(8, dtype=torch.float64, device=self.device)
         grad_norms = []
         for mb in minibatches:
             stats = self.forward_backward(mb, prox_from_forward)
@@ -386,9 +413,9 @@ class Trainer:
                 for p in self.params.values():
                     p.grad.mul_(coef.to(p.grad.dtype))
             self._optimizer_step_if_finite(norm)
-            w_max = stats[6].clone()
-            totals[:6] += stats[:6]
-            totals[6] = torch.maximum(totals[6], w_max)
+            w_max = stats[7].clone()
+            totals[:7] += stats[:7]
+            totals[7] = torch.maximum(totals[7], w_max)
         self.step += 1
 
         sums, w_max = self._reduce_stats(totals)
@@ -396,7 +423,7 @@ class Trainer:
         if g.pp_rank != 0 or g.tp_rank != 0:
             n_mb.zero_()
         dist.all_reduce(n_mb, group=g.train_group)
-        loss, n_valid, n_loss, clipped, w_sum, ent_sum = sums
+        loss, n_valid, n_loss, clipped, w_sum, ent_sum, kl_sum = sums
         return {
             "loss": loss / k,
             "grad_norm": sum(grad_norms) / k,
@@ -404,6 +431,7 @@ class Trainer:
             "importance_weight_mean": w_sum / max(n_valid, 1.0),
             "importance_weight_max": w_max,
             "entropy": ent_sum / max(n_valid, 1.0),
+            "kl_ref": kl_sum / max(n_valid, 1.0),  # k3 estimate of KL(pi_theta || pi_ref), 0 without a reference
             "trained_tokens": n_valid,
             "num_microbatches": n_mb.item(),
         }
@@ -423,7 +451,7 @@ class Trainer:
         g = self.groups
         if not (g.is_last_stage and g.tp_rank == 0):
             totals = torch.zeros_like(totals)
-        sums, w_max = totals[:6].clone(), totals[6:].clone()
+        sums, w_max = totals[:7].clone(), totals[7:].clone()
         dist.all_reduce(sums, group=g.train_group)
         dist.all_reduce(w_max, op=dist.ReduceOp.MAX, group=g.train_group)
         return sums.tolist(), w_max.item()
@@ -433,6 +461,8 @@ class Trainer:
         takes no optimizer step; returns the loss (same on all ranks). For tests and diagnostics."""
         _check_trajectories(trajectories, self.hf_config.vocab_size)
         mb = self._minibatch(trajectories)
+        if self.ref_stage is not None:
+            self._forward_logprobs([mb], self.ref_stage, "ref_logp")
         return self._reduce_stats(self.forward_backward(mb, self.cfg.recompute_prox_logprobs))[0][0]
 
     # ------------------------------------------------------------------------------------------------------------

@@ -29,7 +29,7 @@ import torch.distributed as dist  # noqa: E402
 
 from config import TrainConfig  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
-from parallel.ppo import aggregation_weights, decoupled_ppo_loss, token_logprobs_and_entropy  # noqa: E402
+from parallel.ppo import aggregation_weights, decoupled_ppo_loss, k3_kl, token_logprobs_and_entropy  # noqa: E402
 from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.tensor_parallel import slice_shard  # noqa: E402
 from parallel.trainer import Trainer  # noqa: E402
@@ -120,12 +120,13 @@ def trainer_config(**overrides) -> TrainConfig:
     )
 
 
-def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: float) -> torch.Tensor:
+def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: float, ref=None) -> torch.Tensor:
     """One sequence at a time through a plain HF forward: the correction sees each sequence alone, the
-    aggregation weights come from the whole minibatch."""
+    aggregation weights come from the whole minibatch; `ref`: each sequence's log-probs under the frozen
+    reference (the KL term, train.kl_coef)."""
     weights = aggregation_weights([len(t.response_ids) for t in trajs], cfg.loss_aggregation)
     loss = 0.0
-    for tr, px, wt in zip(trajs, prox, weights):
+    for j, (tr, px, wt) in enumerate(zip(trajs, prox, weights)):
         lp = seq_logprobs(model, tr, temperature)
         r = len(tr.response_ids)
         loss = (
@@ -144,6 +145,8 @@ def reference_minibatch_loss(model, trajs, prox, cfg: TrainConfig, temperature: 
                 token_weight=wt,
             )[0]
         )
+        if cfg.kl_coef > 0:
+            loss = loss + cfg.kl_coef * (k3_kl(lp, ref[j], torch.ones(r, dtype=torch.bool)) * wt).sum()
     return loss
 
 
@@ -152,7 +155,8 @@ def reference(model, trajs, cfg: TrainConfig, temperature: float = TEMPERATURE):
     model = copy.deepcopy(model)
     with torch.no_grad():
         prox = [seq_logprobs(model, t, temperature) for t in trajs]
-    loss = reference_minibatch_loss(model, trajs, prox, cfg, temperature)
+    ref = prox  # the frozen reference is the initial model
+    loss = reference_minibatch_loss(model, trajs, prox, cfg, temperature, ref)
     loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     model.zero_grad(set_to_none=True)
@@ -164,7 +168,7 @@ def reference(model, trajs, cfg: TrainConfig, temperature: float = TEMPERATURE):
     losses = []
     for j in range(k):
         sl = slice(bounds[j], bounds[j + 1])
-        mb_loss = reference_minibatch_loss(model, trajs[sl], prox[sl], cfg, temperature)
+        mb_loss = reference_minibatch_loss(model, trajs[sl], prox[sl], cfg, temperature, ref[sl])
         mb_loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
         opt.step()
@@ -197,7 +201,8 @@ def main() -> int:
     for kind in args.models.split(","):
         model = tiny_model(kind)
         # Qwen2: AReaL's cap mask and token-mean; Llama: a sequence-level geometric-mean mask (some sequences of
-        # the stale behaviour policy fall outside it) and GRPO's per-sequence token mean
+        # the stale behaviour policy fall outside it), GRPO's per-sequence token mean and a k3 KL to the initial
+        # weights (a frozen reference sharded like the policy)
         variant = (
             {"behav_imp_weight_cap": 3.0}
             if kind == "qwen2"
@@ -205,6 +210,7 @@ def main() -> int:
                 "behav_correction": "mis-geo",
                 "behav_correction_bounds": [0.85, 1.2],
                 "loss_aggregation": "seq-mean-token-mean",
+                "kl_coef": 0.1,
             }
         )
         cfg = trainer_config(

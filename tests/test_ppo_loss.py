@@ -16,6 +16,7 @@ from parallel.ppo import (
     behaviour_correction,
     chunked_over_tokens,
     decoupled_ppo_loss,
+    k3_kl,
     token_logprobs_and_entropy,
     vocab_parallel_logprobs_and_entropy,
 )
@@ -126,6 +127,19 @@ def test_aggregation_weights_and_a_weighted_loss():
         sl = np.array(idx)
         per_seq.append(numpy_decoupled_loss(logp[sl], prox[sl], behav[sl], adv[sl], mask[sl], 0.2, 0.0, r))
     assert loss.item() == pytest.approx(sum(per_seq) / 3, rel=1e-12)
+
+
+def test_k3_kl_is_its_formula_nonnegative_and_zero_at_the_reference():
+    logp, _, ref, _, mask = make_inputs(seed=7)
+    kl = k3_kl(t(logp, torch.float64).requires_grad_(), t(ref), t(mask, torch.bool))
+    for i in range(len(logp)):
+        d = ref[i] - logp[i]
+        assert kl[i].item() == pytest.approx(math.exp(d) - d - 1 if mask[i] else 0.0, rel=1e-12, abs=1e-15)
+    assert (kl >= 0).all() and k3_kl(t(logp), t(logp), t(mask, torch.bool)).abs().max() == 0
+    lp = t(logp).requires_grad_()
+    k3_kl(lp, t(ref), t(mask, torch.bool)).sum().backward()  # d/dlogp (e^d - d - 1) = 1 - e^d
+    want = np.where(mask, 1 - np.exp(ref - logp), 0.0)
+    np.testing.assert_allclose(lp.grad.numpy(), want, rtol=1e-12, atol=1e-15)
 
 
 def test_corrections_refuse_what_they_cannot_do():
