@@ -120,6 +120,7 @@ class StalenessBuffer:
     in_flight: dict[int, Ticket] = field(default_factory=dict)
     completed: dict[int, tuple[Ticket, list[Trajectory]]] = field(default_factory=dict)
     requeued: list[Ticket] = field(default_factory=list)  # lost groups waiting to be admitted again
+    discarded: list[int] = field(default_factory=list)  # groups dropped on completion (dynamic sampling)
 
     def __post_init__(self) -> None:
         if self.batch_groups < 1 or self.max_staleness < 0:
@@ -158,6 +159,16 @@ class StalenessBuffer:
             raise StalenessError(f"group {group_id} is not in flight (duplicate or unknown result)")
         ticket = self.in_flight.pop(group_id)
         self.completed[group_id] = (ticket, trajectories)
+
+    def discard(self, group_id: int) -> None:
+        """A finished group that will not be trained (dynamic sampling: its rewards carry no signal): it is consumed
+        -- counted in `discarded`, never admitted again -- and its admission is undone, so a new group takes its
+        place. Like a lost rank's re-queue this only removes an outstanding group: every deadline stays meetable."""
+        if group_id not in self.in_flight:
+            raise StalenessError(f"group {group_id} is not in flight (duplicate or unknown result)")
+        del self.in_flight[group_id]
+        self.num_admitted -= 1
+        self.discarded.append(group_id)
 
     def requeue_rank(self, rank: int) -> list[int]:
         """A rollout rank was lost: its in-flight groups go back to the front of the queue."""
@@ -233,6 +244,7 @@ class StalenessBuffer:
                 [dataclasses.asdict(t), [x.to_dict() for x in trajs]] for t, trajs in self.completed.values()
             ],
             "requeued": [dataclasses.asdict(t) for t in self.requeued],
+            "discarded": list(self.discarded),
         }
 
     @classmethod
@@ -253,7 +265,21 @@ class StalenessBuffer:
             [Ticket(**t) for t in s["requeued"]] + [Ticket(**t) for t in s["in_flight"]], key=lambda t: t.group_id
         )
         buf.num_admitted -= len(s["in_flight"])
+        buf.discarded = list(s.get("discarded", []))
         return buf
+
+
+def overlong_penalty(length: int, max_length: int, buffer_tokens: int) -> float:
+    """DAPO's soft overlong punishment, added to a response's reward: 0 up to max_length - buffer_tokens, then
+    falling linearly to -1 at max_length (and -1 beyond)."""
+    if buffer_tokens <= 0 or length <= max_length - buffer_tokens:
+        return 0.0
+    return max(-1.0, (max_length - buffer_tokens - length) / buffer_tokens)
+
+
+def zero_variance(rewards: list[float]) -> bool:
+    """All rewards of a group equal: GRPO advantages are all 0, the group teaches nothing."""
+    return max(rewards) == min(rewards)
 
 
 def group_advantages(rewards: list[float], eps: float = 1e-6) -> list[float]:

@@ -89,6 +89,13 @@ class TrainConfig:
     behav_correction_bounds: list = field(default_factory=lambda: [0.5, 2.0])
     loss_aggregation: str = "token-mean"  # token-mean | seq-mean-token-mean | seq-mean-token-sum
     kl_coef: float = 0.0  # KL(pi_theta || pi_ref) penalty (k3) to the initial weights; > 0 keeps a frozen copy
+    # DAPO dynamic sampling: a finished group whose rewards are all equal is dropped (consumed, logged in the
+    # ledger) and a new group admitted in its place, at most this many per step (0 = off)
+    dynamic_sampling_max_discards: int = 0
+    # truncated responses (finish_reason "length"): none | mask (they carry no loss) | penalty (DAPO's soft
+    # overlong punishment over the last overlong_buffer_tokens of rollout.max_new_tokens, added to the reward)
+    overlong: str = "none"
+    overlong_buffer_tokens: int = 0
     recompute_prox_logprobs: bool = True  # decoupled PPO (AReaL); False = standard PPO (prox = behaviour)
     ppo_minibatches: int = 1
     micro_batch_tokens: int = 8192
@@ -284,6 +291,12 @@ def validate(cfg: Config) -> None:
         (cfg.train.grad_clip >= 0, "train.grad_clip must be >= 0 (0 = no clipping)"),
         (cfg.train.behav_imp_weight_cap >= 0, "train.behav_imp_weight_cap must be >= 0 (0 = no cap)"),
         (cfg.train.kl_coef >= 0, "train.kl_coef must be >= 0 (0 = no KL term, no reference model)"),
+        (cfg.train.dynamic_sampling_max_discards >= 0, "train.dynamic_sampling_max_discards must be >= 0 (0 = off)"),
+        (cfg.train.overlong in ("none", "mask", "penalty"), "train.overlong must be none|mask|penalty"),
+        (
+            cfg.train.overlong != "penalty" or 0 < cfg.train.overlong_buffer_tokens < cfg.rollout.max_new_tokens,
+            "train.overlong=penalty needs 0 < train.overlong_buffer_tokens < rollout.max_new_tokens",
+        ),
         (cfg.train.min_microbatches >= 0, "train.min_microbatches must be >= 0 (0 = the pipeline depth)"),
         (cfg.train.logprob_chunk_tokens >= 0, "train.logprob_chunk_tokens must be >= 0 (0 = no chunking)"),
         (cfg.rollout.max_seq_len > cfg.rollout.max_new_tokens, "rollout.max_seq_len must exceed max_new_tokens"),

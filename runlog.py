@@ -113,7 +113,11 @@ class RunLog:
         )
         self.metrics.flush()
 
-    def ledger(self, trajectories: list, trainer_version: int, step: int, updated: bool = True) -> None:
+    def ledger(
+        self, trajectories: list, trainer_version: int | None, step: int, updated: bool = True, dropped: str = ""
+    ) -> None:
+        """One line per consumed trajectory: trained at `trainer_version` in `step`, or `dropped` (dynamic
+        sampling: trainer_version null) -- every admitted group appears exactly once."""
         for t in trajectories:
             self.ledger_file.write(
                 json.dumps(
@@ -126,6 +130,7 @@ class RunLog:
                         "trainer_version": trainer_version,
                         "step": step,
                         "updated": updated,
+                        **({"dropped": dropped} if dropped else {}),
                     }
                 )
                 + "\n"

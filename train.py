@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import cost_model as cm
-from buffer import StalenessBuffer, Trajectory, group_advantages
+from buffer import StalenessBuffer, Trajectory, group_advantages, overlong_penalty, zero_variance
 from checkpoint import (
     CheckpointError,
     CheckpointWriter,
@@ -205,6 +205,8 @@ class TrainHead:
         self.resynced: dict[int, int] = {}  # leader -> the version last re-sent to it after a failed relay
         self._sync_layout: dict | None = None
         self.resync_wanted: set[int] = set()
+        self.discarded = 0  # groups dropped by dynamic sampling since the last step
+        self.training_done = False  # after the last step groups are left as they are (in the buffer, not dropped)
         self.in_collective = False  # an error there reaches every train rank itself
         self.last_command = time.monotonic()
         self.stopped = False
@@ -219,6 +221,24 @@ class TrainHead:
         broadcast_json({"kind": kind, **payload}, src=self.groups.train_ranks[0], group=self.groups.train_group)
         self.last_command = time.monotonic()
 
+    def rewards(self, group) -> list[float]:
+        """What the advantages see: the scorer's rewards, plus DAPO's overlong penalty (train.overlong)."""
+        t, r = self.cfg.train, self.cfg.rollout
+        extra = t.overlong == "penalty"
+        return [
+            x.reward
+            + (overlong_penalty(len(x.response_ids), r.max_new_tokens, t.overlong_buffer_tokens) if extra else 0.0)
+            for x in group
+        ]
+
+    def drops_group(self, group) -> bool:
+        """Dynamic sampling (train.dynamic_sampling_max_discards): a group whose rewards are all equal has zero
+        advantages -- no signal -- and is dropped, up to the per-step limit (then trained: no step waits forever
+        on a policy that solves, or fails, everything)."""
+        limit = self.cfg.train.dynamic_sampling_max_discards
+        done = self.training_done or self.buffer.version >= self.cfg.train.total_steps
+        return not done and self.discarded < limit and zero_variance(self.rewards(group))
+
     def grant(self) -> None:
         for rank, groups in self.admission.grants().items():
             self.channel.send(rank, "grant", groups=groups)
@@ -231,8 +251,15 @@ class TrainHead:
             self.inbox.expect(src, msg["group_id"], msg["nbytes"])
             self.channel.send(src, "fetch", group_id=msg["group_id"])
         elif kind == "delivered":
-            self.buffer.complete(msg["group_id"], self.inbox.take(src, msg["group_id"]))
+            group = self.inbox.take(src, msg["group_id"])
             self.pool.finished(src)
+            if self.drops_group(group):
+                self.buffer.discard(msg["group_id"])
+                self.discarded += 1
+                self.log.ledger(list(group), None, self.buffer.version, updated=False, dropped="zero_variance")
+                self.grant()  # its slot is refilled with a new group
+            else:
+                self.buffer.complete(msg["group_id"], group)
         elif kind == "eval_result":
             self.log_evals(self.evals.record(msg["version"], src, msg["correct"]))
         elif kind == "weights_ok":
@@ -376,7 +403,7 @@ class TrainHead:
         version = self.buffer.version - 1  # the version these trajectories are trained at
         trajs: list[Trajectory] = []
         for _ticket, group in batch:
-            for t, a in zip(group, group_advantages([t.reward for t in group], self.cfg.train.advantage_eps)):
+            for t, a in zip(group, group_advantages(self.rewards(group), self.cfg.train.advantage_eps)):
                 t.advantage = a
             trajs.extend(group)
         finite_inputs = all(math.isfinite(t.advantage) and all(map(math.isfinite, t.behav_logprobs)) for t in trajs)
@@ -443,6 +470,7 @@ class TrainHead:
             self.metrics.trainer_idle(time.monotonic() - t_wait)
             batch = self.buffer.take()
             stats, updated = self.train_on(batch)
+            stats["dropped_groups"], self.discarded = self.discarded, 0
             sync_s = self.sync_weights(changed=updated)
             self.grant()  # capacity grew with the version
             sync = {
@@ -459,6 +487,7 @@ class TrainHead:
                 self.checkpoint()
             if cfg.logging.eval_every and v % cfg.logging.eval_every == 0 and v < cfg.train.total_steps:
                 self.start_eval(v)
+        self.training_done = True
         if self.buffer.version not in self.evals.started:
             self.start_eval(self.buffer.version)
         self.wait_evals()

@@ -194,7 +194,9 @@ class Trainer:
                 behav += [0.0] * (p - 1) + [float(x) for x in tr.behav_logprobs] + [0.0]
                 adv += [0.0] * (p - 1) + [float(tr.advantage)] * r + [0.0]
                 index += [k] * len(seq)
-                weight += [0.0] * (p - 1) + [token_weight[i]] * r + [0.0]
+                # train.overlong=mask: a truncated response carries no loss (its tokens stay in the denominator)
+                truncated = self.cfg.overlong == "mask" and getattr(tr, "finish_reason", "stop") == "length"
+                weight += [0.0] * (p - 1) + [0.0 if truncated else token_weight[i]] * r + [0.0]
 
             def as_row(xs: list, dt: torch.dtype) -> torch.Tensor:
                 return torch.tensor(xs, dtype=dt, device=self.device)[None]

@@ -140,6 +140,32 @@ def test_lost_rank_groups_are_requeued_and_checkpoint_roundtrip():
     assert restored.num_admitted == 1 and restored.next_group_id == 4
 
 
+def test_a_discarded_group_is_consumed_once_and_its_slot_refilled():
+    buf = StalenessBuffer(2, 1)
+    buf.weights_sent(0)
+    tickets = [buf.admit(p, 0) for p in range(4)]  # (0 + 1 + 1) * 2 = full
+    assert buf.capacity() == 0
+    buf.discard(tickets[1].group_id)
+    assert buf.capacity() == 1 and buf.discarded == [1]
+    refill = buf.admit(9, 0)
+    assert refill.group_id == 4 and refill.prompt_id == 9  # a new group, not the dropped one again
+    with pytest.raises(StalenessError, match="not in flight"):
+        buf.complete(1, [])  # a dropped group can be neither completed ...
+    with pytest.raises(StalenessError, match="not in flight"):
+        buf.discard(1)  # ... nor dropped twice
+    again = StalenessBuffer.from_state_dict(buf.state_dict())
+    assert again.discarded == [1] and again.capacity() == buf.capacity()
+
+
+def test_overlong_penalty_and_zero_variance():
+    from buffer import overlong_penalty, zero_variance
+
+    # DAPO: max 100 tokens, the last 20 are the soft zone
+    assert [overlong_penalty(n, 100, 20) for n in (10, 80, 90, 100, 130)] == [0.0, 0.0, -0.5, -1.0, -1.0]
+    assert overlong_penalty(100, 100, 0) == 0.0  # no buffer: no penalty
+    assert zero_variance([1.0, 1.0, 1.0]) and zero_variance([0.0]) and not zero_variance([0.0, 0.0, 1.0])
+
+
 def test_group_advantages():
     adv = group_advantages([1.0, 0.0, 0.0, 1.0])
     assert abs(sum(adv)) < 1e-9 and abs(adv[0] - 1.0) < 1e-5
@@ -148,7 +174,8 @@ def test_group_advantages():
 
 # --- any completion order: the stateful machine ---------------------------------------------------------
 class BufferMachine(RuleBasedStateMachine):
-    """admit / complete any in-flight group (oldest, youngest, any) / take / send weights / drop a rank, with
+    """admit / complete any in-flight group (oldest, youngest, any) / discard one (dynamic sampling) / take /
+    send weights / drop a rank, with
     the invariants checked after every step: the bound, exactly-once accounting, and no deadlock."""
 
     batch_sizes = [1, 2, 8, 64]
@@ -202,6 +229,13 @@ class BufferMachine(RuleBasedStateMachine):
             )
 
     @precondition(lambda self: self.buf.in_flight)
+    @rule(pick=st.integers(0, 10**6))
+    def discard(self, pick):
+        """dynamic sampling: a finished group is dropped instead of completed (its slot is refilled)"""
+        flying = sorted(self.buf.in_flight)
+        self.buf.discard(flying[pick % len(flying)])
+
+    @precondition(lambda self: self.buf.in_flight)
     @rule(rank=st.integers(0, 2))
     def drop_rank(self, rank):
         self.buf.requeue_rank(rank % self.ranks)
@@ -225,7 +259,8 @@ class BufferMachine(RuleBasedStateMachine):
         assert len(self.consumed) == len(set(self.consumed)) == buf.version * self.B
         assert buf.num_admitted == len(buf.in_flight) + len(buf.completed) + len(self.consumed)
         every = set(self.consumed) | set(buf.completed) | set(buf.in_flight) | {t.group_id for t in buf.requeued}
-        assert every == set(range(buf.next_group_id))
+        assert not every & set(buf.discarded) and len(buf.discarded) == len(set(buf.discarded))
+        assert every | set(buf.discarded) == set(range(buf.next_group_id))  # trained, pending or dropped: once
 
     @invariant()
     def every_deadline_can_still_be_met(self):

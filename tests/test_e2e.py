@@ -118,3 +118,23 @@ def test_train_ranks_send_the_planned_bytes_every_step(tmp_path, tiny_model_dir)
     for m in steps:
         assert m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"] == predicted, m
         assert m["weight_sync_dtype"] == "float32"
+
+
+def test_dynamic_sampling_and_overlong_penalty_end_to_end(tmp_path, tiny_model_dir):
+    """A real run with DAPO's dynamic sampling and soft overlong penalty: flat groups (the tiny random model fails
+    nearly everything) are dropped up to the limit per step and replaced; the ledger holds every group exactly once,
+    trained or dropped, and the steps still train full batches within the staleness bound."""
+    extra = ["train.dynamic_sampling_max_discards=2", "train.overlong=penalty", "train.overlong_buffer_tokens=8"]
+    metrics, ledger = run_train(tmp_path, tiny_model_dir, 1, 3, extra)
+    trained = [e for e in ledger if "dropped" not in e]
+    dropped = [e for e in ledger if "dropped" in e]
+    check_ledger(trained, 1, 3, batch=2 * 4)
+    groups = {}
+    for e in ledger:
+        groups.setdefault(e["group_id"], set()).add("dropped" in e)
+    assert all(len(v) == 1 for v in groups.values()), "a group both trained and dropped"
+    steps = [m for m in metrics if "loss" in m]
+    n_dropped = len({e["group_id"] for e in dropped})
+    assert n_dropped == sum(m["dropped_groups"] for m in steps)  # each drop counted in the next step's line
+    assert all(m["dropped_groups"] <= 2 for m in steps) and n_dropped > 0
+    assert all(e["trainer_version"] is None and not e["updated"] for e in dropped)

@@ -340,6 +340,39 @@ def test_a_relay_lost_in_a_sync_gets_no_work_and_its_mate_gets_the_version_again
     }
 
 
+def test_dynamic_sampling_drops_flat_groups_into_the_ledger_and_refills(world_of_one, tmp_path):
+    """train.dynamic_sampling_max_discards: a delivered group whose rewards are all equal is discarded -- consumed
+    once, written to the ledger as dropped, never trained -- and a new group is granted in its place; past the
+    per-step limit flat groups are kept (no step can wait forever)."""
+    from buffer import Trajectory
+
+    channel = RecordingChannel([1])
+    head = make_head(tmp_path, channel, "staleness.max_staleness=0", "train.dynamic_sampling_max_discards=1")
+    head.inbox = DeliveredInbox()
+    head.buffer.weights_sent(0)
+    head.grant()  # (0 + 0 + 1) * B = 2 groups
+    first = sorted(head.buffer.in_flight)
+    assert first == [0, 1]
+
+    def deliver(group_id, rewards):
+        ticket = head.buffer.in_flight[group_id]
+        head.inbox.groups[(1, group_id)] = [
+            Trajectory(ticket.prompt_id, s, [1], [2], [0.0], [0], r, group_id=group_id) for s, r in enumerate(rewards)
+        ]
+        head.handle(1, {"kind": "delivered", "group_id": group_id, "counters": {}})
+
+    deliver(0, [1.0])  # one sample: zero variance -> dropped, and group 2 is granted in its place
+    assert head.buffer.discarded == [0] and sorted(head.buffer.in_flight) == [1, 2] and head.discarded == 1
+    grants = [m["groups"] for dst, kind, m in channel.sent if kind == "grant"]
+    assert [g for g, _ in grants[-1]] == [2]
+    deliver(1, [0.0])  # flat too, but the limit (1 per step) is reached: kept
+    deliver(2, [1.0])
+    assert head.buffer.ready() and len(head.buffer.discarded) == 1
+    head.log.close()
+    ledger = [json.loads(x) for x in (tmp_path / "ledger.jsonl").read_text().splitlines()]
+    assert [(e["group_id"], e.get("dropped"), e["trainer_version"]) for e in ledger] == [(0, "zero_variance", None)]
+
+
 def launch_without_agent(args: list[str], log_prefix: Path, env_extra: dict, nproc: int = 4) -> list:
     """The ranks of train.py as plain processes (the env torchrun would set): a SIGKILLed rank then ends only
     itself -- torchrun's agent would end every rank of the job, which resume covers (the tests above)."""

@@ -169,6 +169,35 @@ def test_activation_checkpointing_is_exact_and_saves_less(world_of_one):
     assert out[True][2] < 0.5 * out[False][2], (out[True][2], out[False][2])
 
 
+def test_overlong_mask_takes_truncated_responses_out_of_the_loss(world_of_one):
+    """train.overlong=mask: a truncated response contributes exactly what a zero-advantage one would -- nothing --
+    while its tokens stay in the token-mean denominator."""
+    import copy
+
+    from dist_parallel_worker import TEMPERATURE, make_trajectories, tiny_model, trainer_config
+
+    from parallel.trainer import Trainer
+
+    model = tiny_model("llama")
+    trajs = make_trajectories(model, 6, TEMPERATURE)
+    groups = build_groups(make_train_plan(1, 1, 1, [(0, 4)]))
+    truncated = copy.deepcopy(trajs)
+    truncated[2].finish_reason = "length"
+    silenced = copy.deepcopy(trajs)
+    silenced[2].advantage = 0.0
+
+    def grads(cfg, batch):
+        trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE)
+        loss = trainer.compute_gradients(batch)
+        return loss, {n: p.grad.clone() for n, p in trainer.params.items()}
+
+    masked = grads(trainer_config(overlong="mask"), truncated)
+    want = grads(trainer_config(), silenced)
+    kept = grads(trainer_config(), truncated)  # overlong=none trains on it as usual
+    assert masked[0] == pytest.approx(want[0], abs=1e-9) and masked[0] != pytest.approx(kept[0], abs=1e-6)
+    assert all(torch.allclose(masked[1][n], g, rtol=1e-6, atol=1e-9) for n, g in want[1].items())
+
+
 def test_single_rank_trainer(world_of_one):
     from dist_parallel_worker import TEMPERATURE, make_trajectories, reference, tiny_model, trainer_config
 
