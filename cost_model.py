@@ -20,6 +20,7 @@ from pathlib import Path
 
 import yaml
 
+from emulation import Emulation
 from errors import HexrlError
 
 ROOT = Path(__file__).resolve().parent
@@ -44,6 +45,7 @@ class GPUType:
     hbm_tbps: float  # HBM bandwidth
     dollars_per_hour: float
     intra_gbps: float  # GPU<->GPU bandwidth inside one machine (NVLink, one direction)
+    emulate: Emulation | None = None  # CPU ranks of this type run at these fractions of the machine (emulation.py)
 
 
 @dataclass(frozen=True)
@@ -105,7 +107,10 @@ class Cluster:
     def to_dict(self) -> dict:
         return {
             "name": self.name,
-            "gpu_types": {k: {f: v for f, v in asdict(g).items() if f != "name"} for k, g in self.gpu_types.items()},
+            "gpu_types": {
+                k: {f: v for f, v in asdict(g).items() if f != "name" and not (f == "emulate" and v is None)}
+                for k, g in self.gpu_types.items()
+            },
             "machines": [{"gpu_type": m.gpu_type, "gpus": m.gpus} for m in self.machines],
             "links": {
                 "inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
@@ -132,6 +137,7 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
                 float(g["hbm_tbps"]),
                 float(g["dollars_per_hour"]),
                 float(g["intra_gbps"]),
+                Emulation.from_dict(g.get("emulate"), f"{source}: gpu_types.{name}"),
             )
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError(

@@ -80,6 +80,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from buffer import Trajectory
+from emulation import Throttle
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
 from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
@@ -225,11 +226,14 @@ class RolloutWorker:
         device: torch.device,
         replica: ReplicaLink | None = None,
         weight_links: dict | None = None,
+        throttle: Throttle | None = None,
     ):
-        """`weight_links`: this leader's weight-sync process groups (ParallelGroups.weight_links)."""
+        """`weight_links`: this leader's weight-sync process groups (ParallelGroups.weight_links); `throttle`: an
+        emulated device type's (emulation.py; None runs at this machine's speed)."""
         self.cfg, self.model, self.tok, self.head, self.device = cfg, model, tokenizer, head, device
         self.replica = replica
         self.weight_links = weight_links or {}
+        self.throttle = throttle or Throttle()
         self.weights_incomplete = False  # a version stopped half-way: generate nothing until a whole one arrives
         self.deferred_evals: list[dict] = []
         self.is_leader = replica is None or replica.is_leader
@@ -376,7 +380,7 @@ class RolloutWorker:
             self.eval_gen.add_request(j, self.prompt_ids("test", i), greedy)
         done = {}
         while self.eval_gen.num_unfinished():
-            done.update((o.request_id, o) for o in self.eval_gen.step())
+            done.update((o.request_id, o) for o in self.step(self.eval_gen))
             if self.scorer is not None:
                 self.send_results(self.scorer.collect())  # training groups still score meanwhile
             self.heartbeat()
@@ -411,6 +415,17 @@ class RolloutWorker:
             self.outbox.fetched(msg["group_id"])
             self.send("delivered", group_id=msg["group_id"])
 
+    def step(self, gen: Generator) -> list:
+        """One generator step; on an emulated device type its prefill part is padded by the compute fraction and
+        the rest (decode, memory-bound) by the bandwidth fraction."""
+        prefill_before, t0 = gen.stats.prefill_seconds, time.perf_counter()
+        outs = gen.step()
+        if self.throttle.active:
+            took, prefill = time.perf_counter() - t0, gen.stats.prefill_seconds - prefill_before
+            self.throttle.pad("compute", prefill)
+            self.throttle.pad("bandwidth", took - prefill)
+        return outs
+
     def counters(self) -> dict:
         # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:
         # the scorings' own time (inline and in the math-verify worker), mostly overlapped with decoding
@@ -423,6 +438,7 @@ class RolloutWorker:
             "version": self.gen.version,
             "prefill_s": self.gen.stats.prefill_seconds,
             "prefill_tokens": self.gen.stats.prefill_tokens,
+            "throttle_s": sum(self.throttle.slept_s.values()),
         }
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -468,7 +484,7 @@ class RolloutWorker:
                     raise Aborted(msg["reason"])
                 handlers[msg["kind"]](msg)
             if self.gen.num_unfinished() and not self.weights_incomplete:
-                for out in self.gen.step():
+                for out in self.step(self.gen):
                     self.on_finished(out)
                 if self.scorer is not None:
                     self.send_results(self.scorer.collect())

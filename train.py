@@ -50,6 +50,7 @@ from checkpoint import (
     save_train_shard,
 )
 from config import Config, load_config, to_dict
+from emulation import Throttle, emulated_types
 from errors import HexrlError
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.rankmap import (
@@ -205,6 +206,8 @@ class TrainHead:
         self.resynced: dict[int, int] = {}  # leader -> the version last re-sent to it after a failed relay
         self._sync_layout: dict | None = None
         self.resync_wanted: set[int] = set()
+        self.throttle = Throttle()  # an emulated device type's (main sets it from the plan)
+        self.emulated: list[str] = []  # the plan's emulated GPU types: every metric line names them
         self.discarded = 0  # groups dropped by dynamic sampling since the last step
         self.training_done = False  # after the last step groups are left as they are (in the buffer, not dropped)
         self.in_collective = False  # an error there reaches every train rank itself
@@ -381,7 +384,7 @@ class TrainHead:
             args = {"senders": senders, "dtype": str(self.sync_dtype), "bucket_bytes": self.bucket_bytes}
             args["timeout_s"], args["verify"] = self.cfg.dist.rollout_timeout_s, self.cfg.dist.verify_weights
             self.command("sync", args=args)
-            with self.collective():
+            with self.collective(), self.throttle.piece("link"):
                 failed, sent = send_version(self.trainer, **{**args, "dtype": self.sync_dtype})
             self.sync_bytes += sent
             for rank in failed:
@@ -414,7 +417,8 @@ class TrainHead:
             self.command("train", **batch_control(packed, advantages))
             with self.collective():
                 broadcast_batch(packed, advantages, src=self.groups.train_ranks[0], group=self.groups.train_group)
-                stats = self.trainer.train_step(trajs)
+                with self.throttle.piece("compute"):
+                    stats = self.trainer.train_step(trajs)
         else:
             stats = {"loss": float("nan"), "grad_norm": float("nan"), "trained_tokens": 0.0}
         updated = finite_inputs and math.isfinite(stats["loss"]) and math.isfinite(stats["grad_norm"])
@@ -478,6 +482,8 @@ class TrainHead:
                 "weight_sync_predicted_bytes": self.sync_predicted_bytes,
                 "weight_sync_dtype": str(self.sync_dtype).removeprefix("torch."),
             }
+            if self.emulated:
+                sync["emulated"] = self.emulated
             self.log.step(self.metrics.step(stats, self.buffer.version, sync_s, self.pool, sync))
             self.check_finite(updated)
             v = self.buffer.version
@@ -522,9 +528,10 @@ class TrainHead:
                 pass
 
 
-def run_train_follower(groups, trainer) -> None:
+def run_train_follower(groups, trainer, throttle: Throttle | None = None) -> None:
     """Train ranks other than the head: do what the head broadcasts."""
     head = groups.train_ranks[0]
+    throttle = throttle or Throttle()
     while True:
         cmd = broadcast_json(None, src=head, group=groups.train_group)
         kind = cmd["kind"]
@@ -533,7 +540,8 @@ def run_train_follower(groups, trainer) -> None:
         if kind == "abort":
             raise Aborted(cmd["reason"])
         if kind == "train":
-            trainer.train_step(receive_batch(cmd, head, groups.train_group))
+            with throttle.piece("compute"):
+                trainer.train_step(receive_batch(cmd, head, groups.train_group))
         elif kind == "sync":
             send_version(trainer, **{**cmd["args"], "dtype": getattr(torch, cmd["args"]["dtype"].split(".")[-1])})
         elif kind == "checkpoint":
@@ -787,6 +795,7 @@ class StepMetrics:
             "reward_s": pool.total("reward_s"),
             "rollout_prefill_s": pool.total("prefill_s"),
             "rollout_prefill_tokens": pool.total("prefill_tokens"),
+            "rollout_throttle_s": pool.total("throttle_s"),  # sleeps of emulated device types (0 otherwise)
             "elapsed_s": now - self.t_start,
             **{f"replica{i}_token_share": share for i, share in pool.token_shares().items()},
             **{f"replica{r.id}_planned_share": r.share for r in pool.replicas.values()},
@@ -841,6 +850,7 @@ def main(argv: list[str]) -> int:
     check_plan(plan, world, hf_config.num_hidden_layers)
     check_launch(plan, device, os.environ)  # collective: each rank is where the plan put it, or every rank stops
     torch.manual_seed(cfg.train.seed)
+    throttle = Throttle.for_rank(plan, rank)  # an emulated device type runs at its fractions of this machine
 
     from parallel.groups import build_groups
 
@@ -864,14 +874,17 @@ def main(argv: list[str]) -> int:
         replica = groups.replica
         link = ReplicaLink(replica.group, replica.ranks, device) if replica.tp > 1 else None
         policy = load_policy(cfg, device)
-        RolloutWorker(cfg, policy, tok, train_rows, test_rows, head, device, link, groups.weight_links).run()
+        worker = RolloutWorker(
+            cfg, policy, tok, train_rows, test_rows, head, device, link, groups.weight_links, throttle
+        )
+        worker.run()
         return 0
     if rank != head:
         trainer = make_trainer(cfg, groups, device)
         checkpoint, _ = resolve_resume(cfg, groups)
         if checkpoint is not None:
             load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))
-        run_train_follower(groups, trainer)
+        run_train_follower(groups, trainer, throttle)
         return 0
     channel = Channel(groups.rollout_ranks)
     try:
@@ -887,6 +900,7 @@ def main(argv: list[str]) -> int:
         raise
     writer = CheckpointWriter(log.dir, cfg.checkpoint.keep, tok, hf_config)
     head_loop = TrainHead(cfg, groups, trainer, train_rows, test_rows, log, device, channel, writer, state)
+    head_loop.throttle, head_loop.emulated = throttle, emulated_types(plan)
     try:
         head_loop.run()
     except BaseException as e:

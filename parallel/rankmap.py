@@ -221,7 +221,7 @@ def make_train_plan(
 #     count, and local rank j is the machine's j-th rank, i.e. RANK = first rank of machine k + LOCAL_RANK. Nodes may
 #     run different numbers of ranks; the offsets come from the plan's per-machine counts;
 #   * the device matches the rank's `gpu_type` (`device_matches`): "cpu" runs on CPU only, a GPU type on a CUDA
-#     device whose name contains it. HEXRL_ANY_DEVICE=1 in the environment skips this comparison on purpose (a GPU
+#     device whose name contains it, an emulated type (an `emulate` entry in the plan's cluster) on CPU. HEXRL_ANY_DEVICE=1 in the environment skips this comparison on purpose (a GPU
 #     cluster's plan rehearsed on CPU, or a GPU whose name the type does not spell).
 # With c10d rendezvous torchrun orders nodes by (host name, agent pid), whatever --node_rank says, so the check is
 # what turns a launch in the wrong node order into one clear error instead of ranks doing the wrong machine's work.
@@ -303,6 +303,9 @@ def _placement_problem(
                 "runs a different number of ranks than the plan gives its machine)"
             )
     gpu_type = _entry(plan, rank).get("gpu_type")
+    types = ((plan.get("inputs") or {}).get("cluster") or {}).get("gpu_types") or {}
+    if (types.get(gpu_type) or {}).get("emulate") and device == "cpu":  # emulated types run on CPU (emulation.py)
+        return None
     if gpu_type is not None and not any_device and not device_matches(str(gpu_type), device):
         return (
             f"{where}: the plan expects a {gpu_type} device, found {device!r} (launch it on a {gpu_type} node, "
