@@ -1,7 +1,8 @@
-"""Plot the CPU demo: held-out greedy accuracy of RL (a train.py run) and of the SFT baseline
-against training wall time.
+"""Plot the CPU demo: held-out greedy accuracy of RL (a train.py run) and of the supervised baselines
+(exp/sft_baseline.py: continued SFT, SFT on correct solutions, rejection-sampling fine-tuning) against training
+wall time.
 
-    python exp/plot_demo.py runs/<rl run> runs/sft_baseline.json --out exp/demo_curves.png
+    python exp/plot_demo.py runs/<rl run> runs/baseline_*.json --out exp/demo_curves.png
 """
 
 from __future__ import annotations
@@ -27,19 +28,22 @@ def rl_curve(run_dir: Path) -> tuple[list[float], list[float]]:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("rl_run")
-    ap.add_argument("sft_json")
+    ap.add_argument("baseline_json", nargs="+")
     ap.add_argument("--out", default="exp/demo_curves.png")
     args = ap.parse_args()
     x_rl, y_rl = rl_curve(Path(args.rl_run))
-    sft = json.loads(Path(args.sft_json).read_text())["curve"]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(x_rl, y_rl, "o-", label="hexrl async GRPO (2 rollout + 2 train ranks)")
-    ax.plot(
-        [c["train_seconds"] for c in sft],
-        [100 * c["eval_accuracy"] for c in sft],
-        "s--",
-        label="continued SFT on the warm-start data",
-    )
+    labels = {
+        "sft_baseline": "continued SFT on the warm-start data (its mistakes too)",
+        "sft_correct_baseline": "SFT on correct reference solutions",
+        "rft_baseline": "rejection-sampling fine-tuning (own correct samples)",
+    }
+    for path, marker in zip(args.baseline_json, ["s--", "^--", "d--", "v--"]):
+        doc = json.loads(Path(path).read_text())
+        curve = doc["curve"]
+        label = labels.get(doc.get("kind"), Path(path).stem)
+        ax.plot([c["train_seconds"] for c in curve], [100 * c["eval_accuracy"] for c in curve], marker, label=label)
     ax.set_xlabel("training wall time (s), 2 CPU cores")
     ax.set_ylabel("held-out greedy accuracy (%), 500 problems")
     ax.set_title("CPU demo: held-out greedy accuracy against training time")

@@ -169,6 +169,46 @@ def test_activation_checkpointing_is_exact_and_saves_less(world_of_one):
     assert out[True][2] < 0.5 * out[False][2], (out[True][2], out[False][2])
 
 
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("behav_correction", "tis"),
+        ("behav_correction", "mis-seq"),
+        ("behav_correction", "mis-geo"),
+        ("behav_correction", "icepop"),
+        ("loss_aggregation", "seq-mean-token-mean"),
+        ("loss_aggregation", "seq-mean-token-sum"),
+        ("kl_coef", 0.5),
+        ("overlong", "mask"),
+    ],
+)
+def test_every_loss_key_reaches_the_gradient(world_of_one, key, value):
+    """Changing any of the loss's config keys from its default changes the gradient the trainer computes."""
+    import copy
+
+    from dist_parallel_worker import TEMPERATURE, make_trajectories, tiny_model, trainer_config
+
+    from parallel.trainer import Trainer
+
+    model = tiny_model("llama")
+    trajs = make_trajectories(model, 6, TEMPERATURE)
+    trajs[1].finish_reason = "length"
+    for t in trajs:  # behaviour 0.3 nats off everywhere: every correction has work to do
+        t.behav_logprobs = [x - 0.3 for x in t.behav_logprobs]
+    groups = build_groups(make_train_plan(1, 1, 1, [(0, 4)]))
+    base = {"behav_imp_weight_cap": 1.5, "behav_correction_bounds": [0.8, 1.25], "recompute_prox_logprobs": True}
+    out = []
+    for overrides in (base, {**base, key: value}):
+        trainer = Trainer(copy.deepcopy(model), groups, trainer_config(**overrides), "cpu", temperature=TEMPERATURE)
+        if key == "kl_coef":  # the reference is the initial weights: move the policy off it first
+            with torch.no_grad():
+                for p in trainer.params.values():
+                    p.mul_(1.05)
+        trainer.compute_gradients(trajs)
+        out.append(torch.cat([p.grad.reshape(-1) for p in trainer.params.values()]))
+    assert (out[0] - out[1]).norm() > 1e-4 * out[0].norm(), (key, value)
+
+
 def test_overlong_mask_takes_truncated_responses_out_of_the_loss(world_of_one):
     """train.overlong=mask: a truncated response contributes exactly what a zero-advantage one would -- nothing --
     while its tokens stay in the token-mean denominator."""
