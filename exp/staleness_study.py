@@ -1,0 +1,113 @@
+"""Naive vs decoupled PPO under staleness (AReaL's Table 2, in shape, on CPU): the CPU demo's job for every
+(variant, η, seed), interleaved so the machine's drift spreads over every cell, then a table and summary.json.
+
+    python exp/staleness_study.py --out exp/staleness_study                     # the full grid
+    python exp/staleness_study.py --etas 0,8 --seeds 0 --seconds 30 --out /tmp/smoke   # a smoke run
+
+  naive      π_prox = π_behav (train.recompute_prox_logprobs=false): the clip acts around the behaviour policy
+  decoupled  π_prox = the parameters before the step (AReaL): the clip acts around them, π_prox/π_behav weighs
+             each token (train.behav_correction, default AReaL's cap mask)
+Each run is `bash exp/cpu_demo.sh` with the overrides below (and --extra), its own run directory under
+<out>/runs, and held-out greedy accuracy on the demo's 500 problems. Per run the summary keeps the final and best
+accuracy, the mean clip fraction, the importance weights' mean and max, and the token staleness; per cell the
+accuracies of every seed: {"naive"|"decoupled": {"<eta>": [acc_seed0, ...]}}. Curves:
+`python exp/compare.py <out>/runs --group-by staleness.max_staleness`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+VARIANTS = {"naive": "train.recompute_prox_logprobs=false", "decoupled": "train.recompute_prox_logprobs=true"}
+
+
+def run_one(out: Path, variant: str, eta: int, seed: int, args) -> dict:
+    run = out / "runs" / f"{variant}_eta{eta}_seed{seed}"
+    if not (run / "metrics.jsonl").exists():
+        overrides = [
+            VARIANTS[variant],
+            f"staleness.max_staleness={eta}",
+            f"train.seed={seed}",
+            f"train.lr={args.lr}",
+            f"train.ppo_minibatches={args.minibatches}",
+            f"train.max_train_seconds={args.seconds}",
+            *args.extra,
+        ]
+        proc = subprocess.run(
+            ["bash", "exp/cpu_demo.sh", *overrides],
+            cwd=ROOT,
+            env={**os.environ, "RUN": str(run.resolve())},
+            text=True,
+            capture_output=True,
+        )
+        if proc.returncode != 0:
+            sys.exit(f"error: {run.name} failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    evals = [m["eval_accuracy"] for m in lines if "eval_accuracy" in m]
+    steps = [m for m in lines if "loss" in m]
+    mean = lambda key: statistics.fmean(m[key] for m in steps) if steps else 0.0  # noqa: E731
+    return {
+        "variant": variant,
+        "eta": eta,
+        "seed": seed,
+        "run": str(run.relative_to(out)),
+        "steps": len(steps),
+        "start_accuracy": evals[0],
+        "final_accuracy": evals[-1],
+        "best_accuracy": max(evals),
+        "pg_clipfrac_mean": mean("pg_clipfrac"),
+        "importance_weight_mean": mean("importance_weight_mean"),
+        "importance_weight_max": max((m["importance_weight_max"] for m in steps), default=0.0),
+        "staleness_mean": mean("staleness_mean"),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--etas", default="0,1,2,4,8")
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--variants", default="naive,decoupled")
+    ap.add_argument("--seconds", type=float, default=150.0, help="training seconds per run")
+    ap.add_argument("--lr", type=float, default=1e-4)
+    ap.add_argument("--minibatches", type=int, default=4, help="PPO minibatches per step (> 1: the clip acts)")
+    ap.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every run")
+    ap.add_argument("--out", default="exp/staleness_study")
+    args = ap.parse_args()
+    etas = [int(x) for x in args.etas.split(",")]
+    seeds = [int(x) for x in args.seeds.split(",")]
+    variants = args.variants.split(",")
+    if unknown := [v for v in variants if v not in VARIANTS]:
+        sys.exit(f"error: unknown variants {unknown} (known: {list(VARIANTS)})")
+    out = Path(args.out)
+    (out / "runs").mkdir(parents=True, exist_ok=True)
+    records = []
+    for seed in seeds:  # interleaved: every cell sees the same stretch of machine time per seed
+        for eta in etas:
+            for variant in variants:
+                records.append(run_one(out, variant, eta, seed, args))
+                r = records[-1]
+                print(f"{variant:>9} eta={eta} seed={seed}: {r['start_accuracy']:.3f} -> {r['final_accuracy']:.3f}")
+    cells = {v: {str(e): [r["final_accuracy"] for r in records if r["variant"] == v and r["eta"] == e] for e in etas}
+             for v in variants}  # fmt: skip
+    print(f"\n{'variant':>9} " + " ".join(f"{'eta=' + str(e):>15}" for e in etas))
+    for v in variants:
+        row = []
+        for e in etas:
+            accs = cells[v][str(e)]
+            sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
+            row.append(f"{100 * statistics.fmean(accs):6.1f} ± {100 * sd:4.1f}")
+        print(f"{v:>9} " + " ".join(f"{x:>15}" for x in row))
+    settings = {k: getattr(args, k) for k in ("seconds", "lr", "minibatches", "extra")}
+    (out / "summary.json").write_text(json.dumps({**cells, "settings": settings, "runs": records}, indent=1) + "\n")
+    print(f"wrote {out / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()
