@@ -118,29 +118,16 @@ class Trainer:
             for n, t in hf_model.state_dict().items()
             if n.startswith(("model.embed_tokens", "model.layers.", "model.norm", "lm_head"))
         }
-        self.stage = DecoderStage(
-            hf_model,
-            groups.layers,
-            groups.is_first_stage,
-            groups.is_last_stage,
-            groups.tp_rank,
-            groups.tp,
-            groups.tp_group,
-        ).to(self.device)
+
+        def this_ranks_stage(model) -> DecoderStage:
+            g = groups
+            stage = DecoderStage(model, g.layers, g.is_first_stage, g.is_last_stage, g.tp_rank, g.tp, g.tp_group)
+            return stage.to(self.device)
+
+        self.stage = this_ranks_stage(hf_model)
         self.stage.activation_checkpointing = config.activation_checkpointing
         # the frozen reference for the KL term (train.kl_coef > 0): the initial weights, sharded like the policy
-        self.ref_stage = None
-        if config.kl_coef > 0:
-            self.ref_stage = DecoderStage(
-                hf_model,
-                groups.layers,
-                groups.is_first_stage,
-                groups.is_last_stage,
-                groups.tp_rank,
-                groups.tp,
-                groups.tp_group,
-            ).to(self.device)
-            self.ref_stage.requires_grad_(False)
+        self.ref_stage = this_ranks_stage(hf_model).requires_grad_(False) if config.kl_coef > 0 else None
         del hf_model
         self.params = dict(self.stage.named_parameters())
         adamw = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps, "weight_decay": config.weight_decay}
