@@ -369,7 +369,7 @@ class TrainHead:
         version = self.version
         if targets is None:
             self.sync_bytes = self.sync_predicted_bytes = 0
-        leaders = [r for r in (targets or self.pool.live)]
+        leaders = list(targets or self.pool.live)
         if not changed and targets is None:  # a skipped update: same weights, new version number
             for leader in leaders:
                 self.channel.send(leader, "weights", version=version, buckets=[])
