@@ -58,8 +58,18 @@ class RolloutConfig:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
-    max_batch_size: int = 64  # generator slots per rollout rank
+    max_batch_size: int = 64  # generator slots per rollout rank: an upper bound, the KV pool may allow fewer
     max_seq_len: int = 128
+    # The paged KV cache (rollout.py KVPool): one pool of kv_block_size-token blocks per rollout rank, shared by the
+    # rollout and eval generators. Its size: kv_cache_tokens if > 0, else kv_cache_fraction (in [0, 1)) of the free
+    # device memory after the weights (on CPU: of MemAvailable), else 0/0 = max_batch_size x max_seq_len tokens (the
+    # size of a static cache: never preempts). Slots = min(max_batch_size, pool tokens // kv_seq_tokens), where
+    # kv_seq_tokens is the K/V a sequence is expected to hold (0 = max_seq_len); a sequence that outgrows the pool
+    # sends the youngest request back to the queue, recomputed on readmission.
+    kv_cache_fraction: float = 0.0
+    kv_cache_tokens: int = 0
+    kv_block_size: int = 16  # tokens per block; flash-attn's paged kernel needs a multiple of 256
+    kv_seq_tokens: int = 0
     interrupt_mode: str = "recompute"  # recompute (exact, AReaL) | keep (reuse stale KV cache)
     compile_decode: str = "auto"  # auto (CUDA graphs on a GPU) | always | never
     flash_attn: str = "never"  # auto (on a GPU when flash-attn is installed) | always | never;
@@ -103,7 +113,8 @@ class TrainConfig:
     grad_bucket_mb: float = 25.0  # DP gradient all-reduce bucket
     logprob_chunk_tokens: int = 1024  # log-probs / entropy this many tokens at a time (0 = a micro-batch at once)
     activation_checkpointing: bool = False  # per decoder layer: keep its input, recompute it in backward
-    shard_optimizer: bool = True  # ZeRO-1: AdamW moments partitioned over the DP ranks (dp > 1)
+    # FSDP2 over the DP ranks (dp > 1): fp32 master weights, gradients and AdamW state 1/dp per rank
+    shard_state: bool = True
     advantage_eps: float = 1e-6
     max_nonfinite_steps: int = 3  # skip a non-finite loss; stop after this many in a row
     seed: int = 1

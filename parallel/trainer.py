@@ -10,6 +10,12 @@ One train_step(trajectories):
   3. per minibatch: 1F1B forward/backward (loss = token sum / global token count of the minibatch, so any split
      sums to the single-process loss), sum tied-embedding grads between first and last stage, bucketed DP
      all-reduce (SUM), clip by the global norm (each parameter counted once), AdamW step on fp32 master weights.
+
+With dp > 1 and train.shard_state (the default) the stage is sharded over its DP group by torch's FSDP2
+(`fully_shard` per decoder layer and on the stage): fp32 master weights, gradients and AdamW state are 1/dp per
+rank, a layer's weights are all-gathered (in the compute dtype) just before its forward and backward, and its
+gradients are reduce-scattered (fp32, SUM) right after its backward. FSDP's collectives run in every forward and
+backward, so every DP rank runs the same number of micro-batches (an empty share is padded with a weightless one).
 """
 
 from __future__ import annotations
@@ -20,7 +26,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.optim import ZeroRedundancyOptimizer
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 
 import cost_model as cm
 from config import TrainConfig
@@ -62,6 +70,11 @@ class MicroBatch:
 class Minibatch:
     num_valid_tokens: int  # global count of response tokens (all DP ranks)
     micro: list[MicroBatch] = field(default_factory=list)  # this DP rank's share
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a tensor: an FSDP DTensor's local shard (a view: writing it writes the DTensor)."""
+    return t.to_local() if isinstance(t, DTensor) else t
 
 
 def _check_trajectories(trajs: list, vocab_size: int) -> None:
@@ -129,21 +142,31 @@ class Trainer:
         # the frozen reference for the KL term (train.kl_coef > 0): the initial weights, sharded like the policy
         self.ref_stage = this_ranks_stage(hf_model).requires_grad_(False) if config.kl_coef > 0 else None
         del hf_model
-        self.params = dict(self.stage.named_parameters())
+        self.fsdp = config.shard_state and groups.dp > 1
+        if self.fsdp:
+            self._shard_over_dp(self.stage, compute_dtype)
+            if self.ref_stage is not None:
+                self._shard_over_dp(self.ref_stage, compute_dtype)
+        self.params = dict(self.stage.named_parameters())  # DTensors (DP shards) under FSDP
         adamw = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps, "weight_decay": config.weight_decay}
-        # ZeRO-1 over the DP group (torch's ZeroRedundancyOptimizer): each DP rank keeps the AdamW moments of its
-        # partition of the stage's parameters, steps them and broadcasts them; the math per parameter is AdamW's
-        self.zero = config.shard_optimizer and groups.dp > 1
-        if self.zero:
-            self.optimizer = ZeroRedundancyOptimizer(
-                list(self.params.values()), torch.optim.AdamW, process_group=groups.dp_group, **adamw
-            )
-        else:
-            self.optimizer = torch.optim.AdamW(self.params.values(), **adamw)
+        self.optimizer = torch.optim.AdamW(self.params.values(), **adamw)
         self.links = StageLinks.from_groups(groups, self.device)
         self._sync_buckets: dict[tuple[int, int], list[cm.SyncBucket]] = {}
         self.autocast_dtype = compute_dtype if compute_dtype != torch.float32 else None
         self.step = 0
+
+    def _shard_over_dp(self, stage: DecoderStage, compute_dtype: torch.dtype) -> None:
+        """FSDP2 over this stage's DP group: one unit per decoder layer, the stage itself holds the embedding, the
+        final norm and the LM head (a tied pair must share a unit). Gradients are summed, not averaged: the loss is
+        already normalised by the global token count."""
+        mesh = DeviceMesh.from_group(self.groups.dp_group, device_type=self.device.type)
+        policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
+        units = [*stage.model.layers.values(), stage]
+        for unit in units:
+            fully_shard(unit, mesh=mesh, mp_policy=policy)
+        for unit in units:
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
 
     @staticmethod
     def _load(src: Any):
@@ -163,12 +186,16 @@ class Trainer:
         g = self.groups
         lengths = [len(t.prompt_ids) + len(t.response_ids) for t in trajs]
         num_valid = sum(len(t.response_ids) for t in trajs)
-        mine = balanced_partition(lengths, g.dp)[g.dp_rank]
-        packs = dynamic_microbatches([lengths[i] for i in mine], self.cfg.micro_batch_tokens, self._min_microbatches())
+        shares = balanced_partition(lengths, g.dp)
+        mine = shares[g.dp_rank]
+        packs = self._pack(lengths, shares)
         # weights from the whole minibatch (every DP rank sees it), so the DP/micro-batch split sums to the same loss
         token_weight = aggregation_weights([len(t.response_ids) for t in trajs], self.cfg.loss_aggregation)
         mb = Minibatch(num_valid_tokens=num_valid)
         for pack in packs:
+            if not pack:  # FSDP padding: a one-token row that carries no loss but runs the collectives
+                mb.micro.append(self._weightless_microbatch())
+                continue
             seqs = [mine[j] for j in pack]
             ids, tgt, mask, behav, adv, index, weight = [], [], [], [], [], [], []
             for k, i in enumerate(seqs):
@@ -202,6 +229,35 @@ class Trainer:
                 )
             )
         return mb
+
+    def _pack(self, lengths: list[int], shares: list[list[int]]) -> list[list[int]]:
+        """This DP rank's micro-batches (indices into its share). Under FSDP every DP rank must run the same number
+        of them (each forward and backward is a DP collective): each rank packs every share, and all aim for the
+        largest count; a share with fewer sequences than that is padded with empty micro-batches."""
+        cap, k = self.cfg.micro_batch_tokens, self._min_microbatches()
+
+        def packs(share: list[int], k: int) -> list[list[int]]:
+            return dynamic_microbatches([lengths[i] for i in share], cap, k)
+
+        if not self.fsdp:
+            return packs(shares[self.groups.dp_rank], k)
+        while True:  # forcing more bins can (rarely) push a share past the target: repeat until all agree
+            target = max(len(packs(share, k)) for share in shares)
+            if target == k:
+                break
+            k = target
+        mine = packs(shares[self.groups.dp_rank], k)
+        return mine + [[] for _ in range(k - len(mine))]
+
+    def _weightless_microbatch(self) -> MicroBatch:
+        def zeros(dt: torch.dtype) -> torch.Tensor:
+            return torch.zeros((1, 1), dtype=dt, device=self.device)
+
+        mask = zeros(torch.bool)
+        return MicroBatch(
+            [], [1], zeros(torch.long), zeros(torch.long), mask, *(zeros(torch.float32) for _ in range(2)),
+            zeros(torch.long), zeros(torch.float32),
+        )  # fmt: skip
 
     # ------------------------------------------------------------------------------------------------------------
     # forward pieces
@@ -264,7 +320,7 @@ class Trainer:
         Returns local stat sums [loss, n_valid, n_loss, clipped, w_sum, entropy_sum, kl_sum, w_max] (zeros off the
         last stage)."""
         for p in self.params.values():
-            p.grad = torch.zeros_like(p)
+            p.grad = None if self.fsdp else torch.zeros_like(p)  # FSDP accumulates into its sharded gradients
         stats = torch.zeros(8, dtype=torch.float64, device=self.device)
         micro = minibatch.micro
 
@@ -318,6 +374,9 @@ class Trainer:
             return loss
 
         train_1f1b(self.links, len(micro), self._act_shape(micro), step, self.groups.pp_rank, self.groups.pp)
+        for p in self.params.values():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
         self._sync_grads()
         return stats
 
@@ -328,8 +387,9 @@ class Trainer:
         g = self.groups
         if self._tied_across_stages() and (g.is_first_stage or g.is_last_stage):
             name = "model.embed_tokens.weight" if g.is_first_stage else "lm_head.weight"
-            dist.all_reduce(self.params[name].grad, group=g.embedding_group)
-        if g.dp > 1:
+            # under FSDP both copies are sharded alike (same DP degree, same shape): their local shards pair up
+            dist.all_reduce(local(self.params[name].grad), group=g.embedding_group)
+        if g.dp > 1 and not self.fsdp:  # FSDP reduce-scattered each layer's gradients in its backward
             self._allreduce_buckets([p.grad for p in self.params.values()], g.dp_group)
 
     def _allreduce_buckets(self, grads: list[torch.Tensor], group) -> None:
@@ -356,16 +416,16 @@ class Trainer:
 
     def global_grad_norm(self) -> torch.Tensor:
         """L2 norm of the full model's gradient: sharded params summed over TP, replicated ones (norms, row-parallel
-        biases) once, the tied lm_head copy not at all, DP replicas once."""
+        biases) once, the tied lm_head copy not at all, DP replicas once (under FSDP each DP rank its own shard)."""
         g = self.groups
         sq = torch.zeros((), dtype=torch.float64, device=self.device)
-        if g.dp_rank == 0:
+        if g.dp_rank == 0 or self.fsdp:
             for name, p in self.params.items():
                 if self.stage.replicated_over_tp(name) and g.tp_rank != 0:
                     continue
                 if name == "lm_head.weight" and self._tied_across_stages():
                     continue
-                sq += p.grad.double().pow(2).sum()
+                sq += local(p.grad).double().pow(2).sum()
         dist.all_reduce(sq, group=g.train_group)
         return sq.sqrt().float()
 
@@ -400,7 +460,7 @@ class Trainer:
             if cfg.grad_clip > 0:
                 coef = (cfg.grad_clip / (norm + 1e-6)).clamp(max=1.0)
                 for p in self.params.values():
-                    p.grad.mul_(coef.to(p.grad.dtype))
+                    local(p.grad).mul_(coef.to(p.grad.dtype))
             self._optimizer_step_if_finite(norm)
             w_max = stats[7].clone()
             totals[:7] += stats[:7]
@@ -474,16 +534,28 @@ class Trainer:
         return self._sync_buckets[key]
 
     @torch.no_grad()
-    def fill_bucket(self, bucket: cm.SyncBucket, out: torch.Tensor | None, dtype: torch.dtype) -> None:
-        """COLLECTIVE over this stage's TP group (DP replica 0). The stage owner (tp 0) passes `out`, the bucket's
-        flat payload in the sync `dtype`, and gets the full HF tensors written into it; TP peers pass None. A sharded
-        tensor is gathered onto the owner one tensor at a time, in the sync dtype."""
+    def _unsharded(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        """This rank's TP slice of a parameter, whole over DP, in `dtype`: under FSDP an all-gather over the DP group
+        of this one tensor (COLLECTIVE over it), cast before it travels."""
+        p = self.params[name].detach()
+        return p.to(dtype).full_tensor() if isinstance(p, DTensor) else p
+
+    @torch.no_grad()
+    def fill_bucket(
+        self, bucket: cm.SyncBucket, out: torch.Tensor | None, dtype: torch.dtype, tp_gather: bool = True
+    ) -> None:
+        """COLLECTIVE over this stage's TP group (the sending DP replica) and, under FSDP, over its DP group (every DP
+        replica of the stage: the others pass tp_gather=False and only lend their shards). The stage owner (tp 0)
+        passes `out`, the bucket's flat payload in the sync `dtype`, and gets the full HF tensors written into it;
+        TP peers pass None. One tensor at a time is gathered, in the sync dtype."""
         g, offset = self.groups, 0
         for name, numel in zip(bucket.names, bucket.numels):
             shape = self.full_shapes[name]
             slot = None if out is None else out[offset : offset + numel].view(shape)
             offset += numel
-            p = self.params[name].detach()
+            p = self._unsharded(name, dtype)
+            if not tp_gather:
+                continue
             dim = self.stage.shard_specs.get(name)
             if dim is None or g.tp == 1:
                 if slot is not None:
@@ -500,13 +572,15 @@ class Trainer:
     def gather_full_state_dict(self) -> dict[str, torch.Tensor] | None:
         """Every train rank calls. Train head gets {HF name: fp32 CPU tensor} (bitwise copies); others None."""
         g = self.groups
-        if g.dp_rank != 0:
+        if g.dp_rank != 0 and not self.fsdp:
             return None
         names = [n for n in self.full_shapes if not (n == "lm_head.weight" and self.stage.tied)]
         mine = [n for n in names if cm.param_stage(n, self.groups.stage_layers) == g.pp_rank]
         full: dict[str, torch.Tensor] = {}
         for n in mine:
-            p = self.params[n]
+            p = self._unsharded(n, torch.float32)  # under FSDP every DP rank takes part; DP rank 0 keeps it
+            if g.dp_rank != 0:
+                continue
             dim = self.stage.shard_specs.get(n)
             if dim is None or g.tp == 1:
                 full[n] = p.detach()
@@ -514,7 +588,7 @@ class Trainer:
                 parts = [torch.empty_like(p) for _ in range(g.tp)]
                 dist.all_gather(parts, p.detach().contiguous(), group=g.tp_group)
                 full[n] = torch.cat(parts, dim=dim)
-        if g.tp_rank != 0:
+        if g.dp_rank != 0 or g.tp_rank != 0:
             return None
         # other stages' (dp 0, tp 0) ranks send one flat fp32 buffer each to the head, in name order
         if g.pp_rank != 0:
@@ -541,28 +615,37 @@ class Trainer:
             "dp": g.dp,
             "tp": g.tp,
             "pp": g.pp,
+            "dp_rank": g.dp_rank,
             "tp_rank": g.tp_rank,
             "pp_rank": g.pp_rank,
             "stage_layers": [list(x) for x in g.stage_layers],
+            "fsdp": self.fsdp,
         }
 
     def checkpoint_state(self) -> dict:
-        """This rank's shard: its stage / TP slice of the weights (written by DP rank 0 only: the DP replicas hold
-        the same) and its optimizer state (under ZeRO only its partition's)."""
-        local = self.optimizer.optim if self.zero else self.optimizer
+        """This rank's shard: its stage / TP slice of the weights and its AdamW state -- under FSDP its 1/dp of both
+        (every rank writes weights); otherwise the DP replicas hold the same weights and only DP rank 0 writes them."""
+        writes_weights = self.fsdp or self.groups.dp_rank == 0
+        optimizer = self.optimizer.state_dict()
+        optimizer["state"] = {
+            i: {k: local(v).cpu().clone() if torch.is_tensor(v) else v for k, v in st.items()}
+            for i, st in optimizer["state"].items()
+        }
         return {
-            "model": {n: p.detach().cpu().clone() for n, p in self.params.items()}
-            if self.groups.dp_rank == 0
-            else None,
-            "optimizer": local.state_dict(),
+            "model": {n: local(p).detach().cpu().clone() for n, p in self.params.items()} if writes_weights else None,
+            "optimizer": optimizer,
             "step": self.step,
             "layout": self._layout(),
         }
 
     def load_checkpoint_state(self, state: dict, weights: dict | None = None) -> None:
-        """`weights`: the stage's weights when this rank's shard holds none (DP rank > 0: its DP rank 0's)."""
+        """`weights`: the stage's weights when this rank's shard holds none (DP rank > 0 without FSDP: its DP rank
+        0's). The layout (DP, TP, PP degrees, this rank's place, FSDP or not) must be the one saved."""
         if state.get("layout") != self._layout():
-            raise ValueError(f"checkpoint layout {state.get('layout')} does not match this rank's {self._layout()}")
+            raise ValueError(
+                f"checkpoint layout {state.get('layout')} does not match this rank's {self._layout()} "
+                "(resume needs the same train layout)"
+            )
         weights = state["model"] if state["model"] is not None else weights
         if weights is None:
             raise ValueError("the shard holds no weights and none were given (DP rank 0's shard is missing)")
@@ -571,6 +654,22 @@ class Trainer:
             raise ValueError(f"checkpoint parameter names differ from this shard's: {sorted(missing)[:5]}")
         with torch.no_grad():
             for n, p in self.params.items():
-                p.copy_(weights[n].to(p.device))
-        (self.optimizer.optim if self.zero else self.optimizer).load_state_dict(state["optimizer"])
+                if weights[n].shape != local(p).shape:
+                    raise ValueError(
+                        f"checkpoint shard of {n} has shape {tuple(weights[n].shape)}, not {tuple(local(p).shape)}"
+                    )
+                local(p).copy_(weights[n])
+        params = list(self.params.values())
+        optimizer = dict(state["optimizer"])
+
+        def restore(i: int, v):  # a moment saved as this rank's local shard becomes a DTensor like its parameter
+            p = params[i]
+            if isinstance(p, DTensor) and torch.is_tensor(v) and v.shape == local(p).shape and v.dim() > 0:
+                return DTensor.from_local(v.to(p.device), p.device_mesh, p.placements, shape=p.shape, stride=p.stride())
+            return v
+
+        optimizer["state"] = {
+            i: {k: restore(int(i), v) for k, v in st.items()} for i, st in state["optimizer"]["state"].items()
+        }
+        self.optimizer.load_state_dict(optimizer)
         self.step = int(state["step"])

@@ -222,10 +222,12 @@ def send_version(
     Returns the relays that failed and the bytes all owners sent, the same on every train rank."""
     g = trainer.groups
     mine = [int(r) for r, dps in senders.items() if dps[g.pp_rank] == g.dp_rank]
+    # under FSDP a stage's weights are spread over its DP replicas: all of them gather while any one sends
+    lends = trainer.fsdp and bool(senders)
     failed: dict[int, str] = {}
     sent = 0
-    if mine:
-        owner = g.tp_rank == 0
+    if mine or lends:
+        owner = g.tp_rank == 0 and bool(mine)
         itemsize = torch.empty((), dtype=dtype).element_size()
         buckets = [b for b in trainer.sync_buckets(itemsize, bucket_bytes) if b.stage == g.pp_rank]
         links = {r: g.weight_links[("owners", r)] for r in mine} if owner else {}
@@ -235,7 +237,7 @@ def send_version(
             if owner:
                 stream.reserve()
                 buf = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=trainer.device)
-            trainer.fill_bucket(bucket, None if buf is None else payload_view(buf, bucket, dtype), dtype)
+            trainer.fill_bucket(bucket, None if buf is None else payload_view(buf, bucket, dtype), dtype, bool(mine))
             if owner:
                 seal(buf, bucket, verify)
                 stream.send(buf)

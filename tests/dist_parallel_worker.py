@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import dataclasses
 import math
 import os
 import sys
@@ -26,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
+from torch.distributed.tensor import DTensor  # noqa: E402
 
 from config import TrainConfig  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
@@ -236,15 +238,16 @@ def main() -> int:
         ref_loss, ref_grads, ref_losses, ref_after = reference(model, trajs, cfg)
         ref_init = {n: t.clone() for n, t in model.state_dict().items()}
         for layout in args.layouts.split(";"):
-            dims, split = layout.split(":")
+            dims, split, *mode = layout.split(":")  # mode "allreduce": DP without FSDP (train.shard_state=false)
             dp, tp, pp = (int(x) for x in dims.split(","))
             sizes = [int(x) for x in split.split("+")]
             stage_layers = [(sum(sizes[:s]), sum(sizes[: s + 1])) for s in range(pp)]
             groups = build_groups(make_train_plan(dp, tp, pp, stage_layers, world_size=world))
-            tag = f"{kind} dp={dp} tp={tp} pp={pp} layers={split}"
+            tag = f"{kind} dp={dp} tp={tp} pp={pp} layers={split}" + (f" {mode[0]}" if mode else "")
+            layout_cfg = dataclasses.replace(cfg, shard_state=not mode)
             if groups.is_train:
                 # 1) gather == reference, bitwise
-                trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE)
+                trainer = Trainer(copy.deepcopy(model), groups, layout_cfg, "cpu", temperature=TEMPERATURE)
                 full = trainer.gather_full_state_dict()
                 if groups.is_train_head:
                     same = (
@@ -260,19 +263,23 @@ def main() -> int:
                 report(tag + " loss", abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{loss:.8g} vs {ref_loss:.8g}")
                 worst, worst_name = 0.0, ""
                 for name, p in trainer.params.items():
+                    # under FSDP (dp > 1) the gradient is this DP rank's shard: compare the whole (TP-sliced) tensor
+                    grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+                    if dp > 1 and not mode and not isinstance(p.grad, DTensor):
+                        report(tag + " grads_sharded_over_dp", False, f"{name}: a plain tensor, not a DP shard")
                     ref_name = (
                         "model.embed_tokens.weight" if (name == "lm_head.weight" and name not in ref_grads) else name
                     )
                     expected = slice_shard(ref_grads[ref_name], trainer.stage.shard_specs[name], groups.tp_rank, tp)
-                    if p.grad.shape != expected.shape:
-                        report(tag + " grad_shape", False, f"{name} {tuple(p.grad.shape)} vs {tuple(expected.shape)}")
+                    if grad.shape != expected.shape:
+                        report(tag + " grad_shape", False, f"{name} {tuple(grad.shape)} vs {tuple(expected.shape)}")
                         continue
-                    e = rel_err(p.grad, expected)
+                    e = rel_err(grad, expected)
                     if e > worst:
                         worst, worst_name = e, name
                 report(tag + " grads", worst <= TOL, f"n={len(trainer.params)} max_rel={worst:.2e} ({worst_name})")
                 # 3) three PPO minibatch updates from the initial weights
-                trainer = Trainer(copy.deepcopy(model), groups, cfg, "cpu", temperature=TEMPERATURE)
+                trainer = Trainer(copy.deepcopy(model), groups, layout_cfg, "cpu", temperature=TEMPERATURE)
                 metrics = trainer.train_step(trajs)
                 ref_mean = sum(ref_losses) / len(ref_losses)
                 report(

@@ -84,8 +84,12 @@ def test_train_runs_and_respects_staleness(tmp_path, tiny_model_dir, eta):
 
 @pytest.mark.parametrize(
     "layout, bucket_mb, machines, dtype",
-    [((1, 1, 1), 0.01, "0,0,1", "float32"), ((1, 2, 2), 64, "0,0,1", "bfloat16")],
-    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16"],
+    [
+        ((1, 1, 1), 0.01, "0,0,1", "float32"),
+        ((1, 2, 2), 64, "0,0,1", "bfloat16"),
+        ((2, 1, 1), 0.02, "0,1,1", "bfloat16"),  # FSDP: each DP rank holds half the stage and both lend it
+    ],
+    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16", "dp2-fsdp-bf16"],
 )
 def test_weights_stream_bitwise_and_the_bytes_are_the_planners(
     tmp_path, tiny_model_dir, layout, bucket_mb, machines, dtype

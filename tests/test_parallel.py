@@ -280,6 +280,11 @@ def test_single_rank_trainer(world_of_one):
     for n, t in ref_after.items():
         assert (after[n] - t).norm() <= 1e-5 * t.norm(), n
 
+    # a shard saved under another layout (here: one of 2 FSDP shards) is refused, naming both layouts
+    foreign = {**state, "layout": {**state["layout"], "dp": 2, "fsdp": True}}
+    with pytest.raises(ValueError, match="'dp': 2.*does not match.*'dp': 1.*same train layout"):
+        trainer.load_checkpoint_state(foreign)
+
     # resume: restoring the pre-step state and stepping again reproduces the same parameters exactly
     trainer.load_checkpoint_state(state)
     trainer.train_step(trajs)
@@ -296,7 +301,8 @@ def test_single_rank_trainer(world_of_one):
 # ----------------------------------------------------------------------------------------------------------------
 # the multi-rank equivalence run
 
-LAYOUTS = "2,1,1:4;1,2,1:4;1,1,2:3+1;2,2,1:4;1,2,2:1+3;2,1,2:2+2"
+# dp > 1 shards with FSDP2; "allreduce": the same layout without it (train.shard_state=false)
+LAYOUTS = "2,1,1:4;1,2,1:4;1,1,2:3+1;2,2,1:4;1,2,2:1+3;2,1,2:2+2;2,1,2:2+2:allreduce"
 
 
 def test_layouts_match_single_process_reference():
@@ -328,10 +334,10 @@ def test_layouts_match_single_process_reference():
     # every layout x model reported its checks: head has gather x2 + params; every train rank loss/grads/step_loss
     for model in ("qwen2", "llama"):
         for layout in LAYOUTS.split(";"):
-            dims, split = layout.split(":")
+            dims, split, *mode = layout.split(":")
             dp, tp, pp = dims.split(",")
-            tag = f"{model} dp={dp} tp={tp} pp={pp} layers={split}"
-            got = [l for l in results if tag + " " in l]
+            tag = f"{model} dp={dp} tp={tp} pp={pp} layers={split}" + (f" {mode[0]}" if mode else "")
+            got = [l for l in results if tag + " " in l and (mode or " allreduce " not in l)]
             n_train = int(dp) * int(tp) * int(pp)
             assert len(got) == 2 + 3 * n_train, (tag, got)
     # the Llama case trains with a sequence-level mask that really drops sequences (checked on every rank)
