@@ -68,8 +68,11 @@ def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(tmp_path, tiny_m
     assert all(m["replica0_token_share"] == m["replica0_planned_share"] == 1.0 for m in lines if "loss" in m)
     import torch
 
-    weights = torch.load(run / "checkpoints" / f"step_{STEPS}" / "train_rank0.pt", weights_only=True)["trainer"]
-    model_bytes = sum(t.numel() * 4 for t in weights["model"].values())  # fp32 on CPU, sent to the one leader
+    shards = [  # the two train ranks' FSDP shards: together the model
+        torch.load(run / "checkpoints" / f"step_{STEPS}" / f"train_rank{r}.pt", weights_only=True)["trainer"]["model"]
+        for r in (0, 1)
+    ]
+    model_bytes = sum(t.numel() * 4 for s in shards for t in s.values())  # fp32 on CPU, sent to the one leader
     for m in (m for m in lines if "loss" in m):  # the model once (+ each bucket's checksum), as the planner says
         assert m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"], m
         assert model_bytes < m["weight_sync_bytes"] < 1.01 * model_bytes and m["weight_sync_dtype"] == "float32", m
