@@ -1,8 +1,9 @@
 """Trainer step time per layout against 1 process, on a ~30M-parameter Llama config (CPU, gloo, 1 thread per rank).
 
-    .venv/bin/python exp/bench_trainer.py [--layouts 1,1,1 2,1,1 1,2,1 1,1,2 1,1,2:4+4] [--steps 3] [--repeats 2]
+    .venv/bin/python exp/bench_trainer.py [--layouts 1,1,1 2,1,1 1,2,1 1,1,2 1,1,2:4+4 2,1,1/allreduce] [--steps 3]
 
-A PP layout without `:a+b` gets the compute-balanced split (the LM head counts on the last stage).
+A PP layout without `:a+b` gets the compute-balanced split (the LM head counts on the last stage). DP shards with
+FSDP2 unless the layout ends in `/allreduce` (train.shard_state=false: replicated state, one bucketed all-reduce).
 
 The driver launches one torchrun per layout (nproc = dp*tp*pp) running this same file as a worker; the worker times
 `steps` train_steps after one warm-up step and the train head prints one JSON line. Ratio to ideal =
@@ -94,14 +95,20 @@ def worker(args) -> None:
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
-    dims, _, split = args.layout.partition(":")
+    layout, _, mode = args.layout.partition("/")
+    dims, _, split = layout.partition(":")
     dp, tp, pp = (int(x) for x in dims.split(","))
     model = bench_model()
     sizes = [int(x) for x in split.split("+")] if split else balanced_stage_sizes(model, pp)
     stage_layers = [(sum(sizes[:s]), sum(sizes[: s + 1])) for s in range(pp)]
     groups = build_groups(make_train_plan(dp, tp, pp, stage_layers))
     trainer = Trainer(
-        model, groups, TrainConfig(lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, min_microbatches=1), "cpu"
+        model,
+        groups,
+        TrainConfig(
+            lr=1e-5, micro_batch_tokens=args.micro_batch_tokens, min_microbatches=1, shard_state=mode != "allreduce"
+        ),
+        "cpu",
     )
     trajs = bench_trajectories(args.seqs, args.prompt, args.response)
     metrics = trainer.train_step(trajs)  # warm-up
@@ -150,7 +157,7 @@ def driver(args) -> None:
     # machine then hits every layout alike instead of one
     for layout in [lay for _ in range(args.repeats) for lay in args.layouts]:
         n = 1
-        for x in layout.partition(":")[0].split(","):
+        for x in layout.partition("/")[0].partition(":")[0].split(","):
             n *= int(x)
         cmd = [
             torchrun,
