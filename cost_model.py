@@ -87,6 +87,10 @@ class Cluster:
             return self.link_gbps(ms[0], ms[0])
         return min(self.link_gbps(a, b) for i, a in enumerate(ms) for b in ms[i + 1 :])
 
+    def with_uniform_links(self) -> Cluster:
+        """The same machines with every machine pair at its type pair's link (the per-pair overrides dropped)."""
+        return Cluster(self.name, dict(self.gpu_types), list(self.machines), dict(self.inter_gbps), {})
+
     def dollars_per_hour(self) -> float:
         return sum(m.gpus * self.gpu_types[m.gpu_type].dollars_per_hour for m in self.machines)
 

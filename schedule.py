@@ -172,6 +172,7 @@ class Planner:
         self._configs_cache: dict[str, list[ReplicaConfig]] = {}
         self._split_cache: dict[tuple, list[int] | None] = {}
         self._eval_cache: dict[tuple[int, ...], Evaluation] = {}
+        self._orders = self.machine_orders()
 
     # ------------------------------------------------------------------ Phase 1a: training plan
     def train_plan(self, train_counts: tuple[int, ...]) -> TrainPlan | None:
@@ -485,15 +486,73 @@ class Planner:
             g.add_edge(a, b, beta=self.cluster.link_gbps(a, b))
         return g
 
-    def arrange(self, per_type: dict[str, int]) -> tuple[int, ...]:
-        """Per-type trainer counts -> per-machine counts, filling the largest machines first (keeps
-        TP/DP groups inside machines and leaves whole machines to rollout)."""
+    def blind_order(self) -> tuple[int, ...]:
+        """The topology-blind fill order: largest machines first, then by index."""
+        return tuple(m.index for m in sorted(self.cluster.machines, key=lambda m: (-m.gpus, m.index)))
+
+    def machine_orders(self) -> list[tuple[int, ...]]:
+        """Orders in which trainers fill machines (`arrange`). Filling along an order puts the trainers on a prefix
+        of it, so an order whose prefixes are well-connected groups keeps the trainer side's DP/TP/PP links fast
+        and leaves the slow links to the weight-sync cut. Besides the blind order, two graph partitions of the link
+        graph (machines as nodes, GB/s between them as edge weights) give such orders, each also reversed:
+          - recursive Kernighan-Lin bisection (min-weight cut: the slowest links, e.g. between racks or regions,
+            are cut first, so each side of every cut is contiguous in the order);
+          - Louvain communities (modularity on the same weights): each community contiguous, largest first.
+        The cost model picks among the arrangements (`best_arrangement`). With uniform links every order is
+        equivalent, so only the blind one is used."""
+        blind = self.blind_order()
+        if len(self.cluster.machines) < 3:
+            return [blind]
+        g = self.graph()
+        if len({d["beta"] for _, _, d in g.edges(data=True)}) <= 1:
+            return [blind]
+        rank_in_blind = {m: i for i, m in enumerate(blind)}
+
+        def bisect(nodes: list[int]) -> list[int]:
+            if len(nodes) <= 2:
+                return sorted(nodes, key=rank_in_blind.get)
+            a, b = nx.algorithms.community.kernighan_lin_bisection(g.subgraph(nodes), weight="beta", seed=0)
+            # the side with more GPUs (then the blind order's first machine) leads
+            a, b = sorted(
+                (sorted(a), sorted(b)), key=lambda side: (-self.gpus_on(side), min(map(rank_in_blind.get, side)))
+            )
+            return bisect(a) + bisect(b)
+
+        kl = tuple(bisect(list(g.nodes)))
+        communities = nx.community.louvain_communities(g, weight="beta", seed=0)
+        communities = sorted(communities, key=lambda c: (-self.gpus_on(c), min(map(rank_in_blind.get, c))))
+        louvain = tuple(m for c in communities for m in sorted(c, key=rank_in_blind.get))
+        orders = [blind]
+        for order in (kl, kl[::-1], louvain, louvain[::-1]):
+            if order not in orders:
+                orders.append(order)
+        return orders
+
+    def gpus_on(self, machines) -> int:
+        return sum(self.cluster.machines[m].gpus for m in machines)
+
+    def per_type(self, counts: tuple[int, ...]) -> dict[str, int]:
+        return {t: sum(k for m, k in zip(self.cluster.machines, counts) if m.gpu_type == t) for t in self.types}
+
+    def arrange(self, per_type: dict[str, int], order: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """Per-type trainer counts -> per-machine counts, filling machines along `order` (default: largest first),
+        which keeps TP/DP groups inside machines and leaves whole machines to rollout."""
         counts = [0] * len(self.cluster.machines)
         for t, n in per_type.items():
-            for m in sorted((m for m in self.cluster.machines if m.gpu_type == t), key=lambda m: (-m.gpus, m.index)):
-                counts[m.index] = min(n, m.gpus)
-                n -= counts[m.index]
+            for i in order or self.blind_order():
+                if self.cluster.machines[i].gpu_type == t:
+                    counts[i] = min(n, self.cluster.machines[i].gpus)
+                    n -= counts[i]
         return tuple(counts)
+
+    def best_arrangement(self, per_type: dict[str, int]) -> Evaluation:
+        """The per-type split placed along each machine order; the cost model's fastest wins (ties: the first)."""
+        best = None
+        for order in self._orders:
+            ev = self.evaluate(self.canonical(self.arrange(per_type, order)))
+            if best is None or ev.step_s < best.step_s * (1 - 1e-9):
+                best = ev
+        return best
 
     def partition_candidates(self, g: nx.Graph) -> list[tuple[float, float, dict[str, int]]]:
         """(compute share of D_T, Eq. 3 objective, per-type trainer counts) for every candidate split."""
@@ -516,16 +575,21 @@ class Planner:
             if nonzero and sum(nonzero) // math.gcd(*nonzero) > self.model.layers:
                 continue
             per_type = dict(zip(self.types, combo))
-            k = self.arrange(per_type)
-            share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total
-            beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + sum(
-                k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b]
-            )
-            m_i = sum((g.nodes[i]["gpus"] - k[i]) * g.nodes[i]["m"] for i in g.nodes)
-            out.append((share, beta_t / max(beta_total, 1e-12) + m_i / m_total, per_type))
+            best = None
+            for order in self._orders:  # Eq. 3 over where the trainers sit, too: the best-connected placement
+                k = self.arrange(per_type, order)
+                share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total
+                beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + sum(
+                    k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b]
+                )
+                m_i = sum((g.nodes[i]["gpus"] - k[i]) * g.nodes[i]["m"] for i in g.nodes)
+                objective = beta_t / max(beta_total, 1e-12) + m_i / m_total
+                if best is None or objective > best[1] + 1e-12:
+                    best = (share, objective, k)
+            out.append(best)
         return out
 
-    def graph_partition(self, cands: list, gamma: float, band: float) -> dict[str, int]:
+    def graph_partition(self, cands: list, gamma: float, band: float) -> tuple[int, ...]:
         """Eq. 3: max beta-share(D_T) + m-share(D_I) s.t. gamma - band <= c-share(D_T) <= gamma + band."""
         inside = [c for c in cands if abs(c[0] - gamma) <= band]
         if not inside:
@@ -552,8 +616,11 @@ class Planner:
         seen_gamma = set()
         for it in range(max_iterations):
             self.stats.iterations = it + 1
-            per_type = self.graph_partition(cands, gamma, band)
-            ev = self.evaluate(self.arrange(per_type))
+            counts = self.graph_partition(cands, gamma, band)
+            ev = self.evaluate(self.canonical(counts))
+            per_type = self.per_type(counts)
+            if len(self._orders) > 1:  # the same split placed along the other orders, if the cost model prefers one
+                ev = min((ev, self.best_arrangement(per_type)), key=lambda e: e.step_s)
             improved = best is None or ev.step_s < best.step_s * (1 - 1e-9)
             best = ev if improved else best
             self.stats.history.append(best.step_s)
@@ -584,7 +651,7 @@ class Planner:
         best = None
         for combo in itertools.product(*[range(n + 1) for n in n_type]):
             if sum(combo) == need:
-                ev = self.evaluate(self.arrange(dict(zip(self.types, combo))))
+                ev = self.best_arrangement(dict(zip(self.types, combo)))
                 best = ev if best is None or ev.step_s < best.step_s else best
         self.stats.iterations, self.stats.seconds = self.stats.evaluations, time.perf_counter() - t0
         if best is None or not math.isfinite(best.step_s):
@@ -610,16 +677,14 @@ class Planner:
         n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
         steps = [sorted({0} | {s * x for x in (1, 2, 3, 4, 8) if x <= n_type[t] for s in (-1, 1)}) for t in self.types]
         dirs = [d for d in itertools.product(*steps) if any(d)]
-        current = {
-            t: sum(k for m, k in zip(self.cluster.machines, best.train_counts) if m.gpu_type == t) for t in self.types
-        }
+        current = self.per_type(best.train_counts)
         for _ in range(100):
             improved = False
             for d in dirs:
                 cand = {t: current[t] + x for t, x in zip(self.types, d)}
                 if any(v < 0 or v > n_type[t] for t, v in cand.items()):
                     continue
-                ev = self.evaluate(self.arrange(cand))
+                ev = self.best_arrangement(cand)
                 if ev.step_s < best.step_s * (1 - 1e-9):
                     best, current, improved = ev, cand, True
             self.stats.history.append(best.step_s)
@@ -765,6 +830,7 @@ def plan(
     rollout_tp: int | None = None,
     weight_bucket_mb: float = 64.0,
     max_seconds: float = 10.0,
+    topology_aware: bool = True,
 ) -> dict:
     """The planner's entry point: best plan as the plan-JSON dict. budget: max throughput among whole-machine
     sub-clusters costing <= budget $/h; min_tokens_per_s: cheapest sub-cluster reaching that throughput.
@@ -777,7 +843,19 @@ def plan(
 
     def run(c: Cluster) -> tuple[Planner, Evaluation]:
         p = Planner(c, model, wl, eff, max_seconds, train_layout, rollout_tp, weight_bucket_mb)
-        return p, (p.exhaustive() if exhaustive else p.solve())
+        if exhaustive:
+            return p, p.exhaustive()
+        if not c.machine_gbps:
+            return p, p.solve()
+        # the topology-blind plan: where the trainers go, chosen as if every machine pair had its type pair's
+        # link; its layouts are then re-planned and the plan priced on the real links. Without --topology-blind
+        # it is one more candidate, so reading the links never loses to ignoring them.
+        blind = Planner(c.with_uniform_links(), model, wl, eff, max_seconds, train_layout, rollout_tp, weight_bucket_mb)
+        blind_ev = p.evaluate(blind.solve().train_counts)
+        if not topology_aware:
+            return p, blind_ev
+        ev = p.solve()
+        return p, (blind_ev if blind_ev.step_s < ev.step_s * (1 - 1e-9) else ev)
 
     if budget is None and min_tokens_per_s is None:
         p, ev = run(cluster)
@@ -1153,6 +1231,9 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--rollout-tp", type=int, default=None, help="force TP degree K for every rollout replica")
     ap.add_argument("--weight-bucket-mb", type=float, default=64.0, help="the run's dist.weight_bucket_mb")
     ap.add_argument("--exhaustive", action="store_true", help="brute force the same space (small clusters)")
+    ap.add_argument(
+        "--topology-blind", action="store_true", help="place trainers largest machine first, ignoring links (baseline)"
+    )
     ap.add_argument("--max-seconds", type=float, default=10.0, help="time limit of every MILP solve")
     ap.add_argument("--out", default=None, help="plan JSON path")
     ap.add_argument("--plot", nargs="?", const="", default=None, help="PNG path (default: next to --out)")
@@ -1173,6 +1254,7 @@ def plan_main(argv: list[str]) -> int:
         rollout_tp=a.rollout_tp,
         weight_bucket_mb=a.weight_bucket_mb,
         max_seconds=a.max_seconds,
+        topology_aware=not a.topology_blind,
     )
     if not a.quiet:
         print(format_table(result))

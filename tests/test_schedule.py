@@ -88,6 +88,41 @@ def test_planner_matches_exhaustive_on_50_random_small_clusters():
     assert worst[0] >= 0.99, f"seed {worst[1]}: planner reaches only {worst[0]:.4f} of the exhaustive optimum"
 
 
+def two_groups_cluster(kind: str, slow_gbps: float) -> cm.Cluster:
+    """4 machines x 4 GPUs in two racks/regions {0, 2} and {1, 3} (indices interleave them), slow between.
+    "racks": all type A; "regions": each region one A and one B machine."""
+    types = ["A"] * 4 if kind == "racks" else ["A", "A", "B", "B"]  # regions: A on 0, 1; B on 2, 3
+    machines = [cm.Machine(i, t, 4) for i, t in enumerate(types)]
+    inter = {("A", "A"): 25.0, ("A", "B"): 1.5, ("B", "B"): 25.0}
+    group = {0: 0, 2: 0, 1: 1, 3: 1} if kind == "racks" else {0: 0, 2: 0, 1: 1, 3: 1}
+    slow = {(a, b): slow_gbps for a in range(4) for b in range(a + 1, 4) if group[a] != group[b]}
+    return cm.Cluster(f"{kind}-{slow_gbps}", {t: TYPES[t] for t in set(types)}, machines, inter, slow)
+
+
+def test_graph_partition_orders_keep_racks_together():
+    p = sc.Planner(two_groups_cluster("racks", 0.5), SMALL_MODEL, WL)
+    orders = p.machine_orders()
+    assert orders[0] == (0, 1, 2, 3)  # the blind order first
+    # Kernighan-Lin cuts the slow links first: each rack is contiguous (either end of the order)
+    assert any(set(o[:2]) == {0, 2} for o in orders) and any(set(o[:2]) == {1, 3} for o in orders), orders
+    uniform = sc.Planner(two_groups_cluster("racks", 25.0).with_uniform_links(), SMALL_MODEL, WL)
+    assert uniform.machine_orders() == [(0, 1, 2, 3)]
+
+
+def test_topology_aware_plan_matches_exhaustive_and_beats_the_blind_one():
+    gains = {}
+    for kind in ("racks", "regions"):
+        for slow in (0.05, 0.25, 1.0):
+            cluster = two_groups_cluster(kind, slow)
+            aware = sc.plan(cluster, SMALL_MODEL, WL)["predicted"]["tokens_per_s"]
+            blind = sc.plan(cluster, SMALL_MODEL, WL, topology_aware=False)["predicted"]["tokens_per_s"]
+            brute = sc.plan(cluster, SMALL_MODEL, WL, exhaustive=True)["predicted"]["tokens_per_s"]
+            assert aware <= brute * (1 + 1e-9) and aware >= 0.99 * brute, (kind, slow, aware, brute)
+            assert aware >= blind * (1 - 1e-9), (kind, slow, aware, blind)
+            gains[(kind, slow)] = aware / blind - 1
+    assert max(gains.values()) >= 0.10, gains  # reading the links pays somewhere
+
+
 def test_training_bound_workload_is_planned_too():
     """The paper assumes C_I > C_T; a workload with short generations and many PPO passes is training-bound."""
     wl = cm.Workload(
