@@ -158,6 +158,13 @@ class DistConfig:
     rollout_timeout_s: float = 120.0  # a rollout rank silent this long is declared dead
     weight_bucket_mb: float = 64.0
     verify_weights: bool = True  # per-version checksum checked on the rollout side
+    # Colocated mode: rollout and train ranks share devices (local rank r on GPU r % visible GPUs). Every group runs
+    # on gloo (NCCL refuses two ranks on one GPU), weight buckets travel through pinned host memory, and on a GPU
+    # each role's process is capped at its fraction of the device (torch.cuda.set_per_process_memory_fraction;
+    # 0 = no cap) -- the rollout's KV pool is sized from what its cap leaves.
+    colocate: bool = False
+    train_memory_fraction: float = 0.0
+    rollout_memory_fraction: float = 0.0
 
 
 @dataclass
@@ -328,6 +335,14 @@ def validate(cfg: Config) -> None:
         (
             cfg.train.loss_aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
             "train.loss_aggregation must be token-mean|seq-mean-token-mean|seq-mean-token-sum",
+        ),
+        (
+            0 <= cfg.dist.train_memory_fraction <= 1 and 0 <= cfg.dist.rollout_memory_fraction <= 1,
+            "dist.train_memory_fraction and dist.rollout_memory_fraction must be in [0, 1] (0 = no cap)",
+        ),
+        (
+            cfg.dist.train_memory_fraction + cfg.dist.rollout_memory_fraction <= 1,
+            "dist.train_memory_fraction + dist.rollout_memory_fraction must be <= 1: the roles share one device",
         ),
     ]
     for ok, msg in checks:

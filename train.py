@@ -95,12 +95,18 @@ def init_distributed(cfg: Config) -> torch.device:
             "(hexrl needs at least one rollout and one train rank)"
         )
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
+    if torch.cuda.is_available() and cfg.dist.colocate:  # ranks share GPUs: NCCL would refuse, so gloo for all
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+        torch.cuda.set_device(device)
+        dist.init_process_group("gloo", timeout=timeout)
+        return device
     if torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_RANK", 0))
         if local >= torch.cuda.device_count():  # NCCL refuses two ranks on one GPU
             raise SetupError(
                 f"local rank {local} has no GPU of its own: {torch.cuda.device_count()} visible on this "
-                f"node; hexrl runs one rank per GPU (--nproc_per_node=<GPUs per node>)"
+                f"node; hexrl runs one rank per GPU (--nproc_per_node=<GPUs per node>), or several with "
+                "dist.colocate=true"
             )
         torch.cuda.set_device(local)
         dist.init_process_group("cpu:gloo,cuda:nccl", timeout=timeout)
@@ -108,6 +114,25 @@ def init_distributed(cfg: Config) -> torch.device:
     torch.set_num_threads(int(os.environ.get("HEXRL_THREADS", 1)))  # ranks share the cores
     dist.init_process_group("gloo", timeout=timeout)
     return torch.device("cpu")
+
+
+def share_device(cfg: Config, plan: dict, groups, device: torch.device) -> None:
+    """Colocated mode on a GPU: cap this role's process at its share of the device. gloo runs all_reduce and
+    broadcast on CUDA tensors but not the trainer's gathers, reduce-scatters and pipeline sends, nor a TP replica's
+    gathers: the colocated GPU mode takes one train rank and single-GPU replicas (on CPU any layout runs)."""
+    if device.type != "cuda":
+        return
+    train = plan["train"]
+    if train["dp"] * train["tp"] * train["pp"] > 1 or any(
+        r["tp"] * r.get("pp", 1) > 1 for r in plan["rollout"]["replicas"]
+    ):
+        raise SetupError(
+            "dist.colocate on a GPU runs every group on gloo, which cannot gather CUDA tensors: it needs one train "
+            f"rank (this plan: dp={train['dp']} tp={train['tp']} pp={train['pp']}) and rollout replicas of TP 1"
+        )
+    fraction = {"train": cfg.dist.train_memory_fraction, "rollout": cfg.dist.rollout_memory_fraction}.get(groups.role)
+    if fraction:
+        torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
 def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
@@ -863,6 +888,8 @@ def main(argv: list[str]) -> int:
     except (DataError, OSError) as e:  # bad rows (on_bad_row=fail), missing files, no rows
         raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]
+    if cfg.dist.colocate:
+        share_device(cfg, plan, groups, device)
 
     if groups.role == "idle":
         wait_idle(head)

@@ -60,6 +60,32 @@ ABANDONED: list[torch.Tensor] = []  # buffers of sends to failed peers: the back
 # fault injection for the tests: "<rank>:<version>:<STOP|KILL>" -- that rollout leader signals itself half-way
 # through receiving that version (tests/test_fault_tolerance.py)
 FAULT_ENV = "HEXRL_FAULT_IN_WEIGHT_SYNC"
+# "1": stage every bucket through host memory even on CPU, so the tests run the colocated GPU path's code
+STAGE_ENV = "HEXRL_STAGE_WEIGHTS_THROUGH_HOST"
+
+
+def staged_through_host(device: torch.device) -> bool:
+    """Colocated mode (dist.colocate) runs every group on gloo, which cannot send CUDA tensors: a bucket then
+    travels through pinned host memory (the owner copies it out after sealing it, the receiver takes it there,
+    verifies it and copies each tensor into its weights)."""
+    if os.environ.get(STAGE_ENV) == "1":
+        return True
+    return device.type == "cuda" and "nccl" not in str(dist.get_backend())
+
+
+def wire_buffer(nbytes: int, device: torch.device) -> torch.Tensor:
+    """A bucket's receive buffer: on the device, or in (pinned) host memory when staged."""
+    if staged_through_host(device):
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+    return torch.empty(nbytes, dtype=torch.uint8, device=device)
+
+
+def to_wire(buf: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """What a sealed bucket is sent as: itself, or its copy in (pinned) host memory when staged."""
+    if not staged_through_host(device):
+        return buf
+    host = wire_buffer(buf.numel(), device) if device.type == "cuda" else torch.empty_like(buf)
+    return host.copy_(buf)
 
 
 def checksum(data: torch.Tensor) -> int:
@@ -240,7 +266,7 @@ def send_version(
             trainer.fill_bucket(bucket, None if buf is None else payload_view(buf, bucket, dtype), dtype, bool(mine))
             if owner:
                 seal(buf, bucket, verify)
-                stream.send(buf)
+                stream.send(to_wire(buf, trainer.device))
             del buf
         failed = stream.close()
         sent = stream.bytes_sent
@@ -272,7 +298,7 @@ def receive_version(
         src = msg["owners"][meta["stage"]] if msg["source"] is None else msg["source"]
         group = links[("owners", me)] if msg["source"] is None else mate_link(links, me, src)
         forward.reserve()
-        buf = torch.empty(meta["wire_bytes"], dtype=torch.uint8, device=device)
+        buf = wire_buffer(meta["wire_bytes"], device)
         try:
             dist.recv(buf, src=src, group=group)
         except RuntimeError as e:

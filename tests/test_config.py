@@ -99,7 +99,8 @@ def test_moved_keys_still_work_for_one_release_with_one_line(capsys):
 def test_a_checkpoint_from_before_the_move_still_resumes():
     current = to_dict(load_config([]))
     saved = to_dict(load_config([]))
-    saved["plan"].update(saved.pop("dist"))  # the layout checkpoints had before the dist section
+    dist = saved.pop("dist")  # the layout checkpoints had before the dist section: these four keys under plan.*
+    saved["plan"].update({k: dist[k] for k in ("timeout_s", "rollout_timeout_s", "weight_bucket_mb", "verify_weights")})
     assert mismatched_keys(saved, current) == []
 
 
@@ -116,3 +117,12 @@ def test_off_is_zero_and_negative_values_are_refused():
     for key in ("train.grad_clip", "train.behav_imp_weight_cap", "train.min_microbatches"):
         with pytest.raises(ConfigError, match=f"{key} must be >= 0"):
             load_config([f"{key}=-1"])
+
+
+def test_colocated_memory_fractions_must_fit_one_device():
+    cfg = load_config(["dist.colocate=true", "dist.train_memory_fraction=0.4", "dist.rollout_memory_fraction=0.5"])
+    assert cfg.dist.colocate and cfg.dist.train_memory_fraction == 0.4
+    with pytest.raises(ConfigError, match="must be <= 1: the roles share one device"):
+        load_config(["dist.train_memory_fraction=0.6", "dist.rollout_memory_fraction=0.5"])
+    with pytest.raises(ConfigError, match=r"must be in \[0, 1\]"):
+        load_config(["dist.rollout_memory_fraction=-0.1"])

@@ -88,8 +88,9 @@ def test_train_runs_and_respects_staleness(tmp_path, tiny_model_dir, eta):
         ((1, 1, 1), 0.01, "0,0,1", "float32"),
         ((1, 2, 2), 64, "0,0,1", "bfloat16"),
         ((2, 1, 1), 0.02, "0,1,1", "bfloat16"),  # FSDP: each DP rank holds half the stage and both lend it
+        ((1, 1, 1), 0.05, "0,0", "staged"),  # colocated mode's path: every bucket through host memory
     ],
-    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16", "dp2-fsdp-bf16"],
+    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16", "dp2-fsdp-bf16", "staged-through-host-fp32"],
 )
 def test_weights_stream_bitwise_and_the_bytes_are_the_planners(
     tmp_path, tiny_model_dir, layout, bucket_mb, machines, dtype
@@ -97,7 +98,12 @@ def test_weights_stream_bitwise_and_the_bytes_are_the_planners(
     """Train ranks stream two versions to three replicas on two machines (one relays to its machine-mate): every
     replica holds the trainer's own gathered weights bitwise (in the sync dtype), and the bytes the train ranks sent
     equal the planner's prediction from the model's config alone."""
-    reports = run_sync_worker(tiny_model_dir, layout, bucket_mb, machines, dtype, tmp_path)
+    env = {}
+    if dtype == "staged":
+        from parallel.weight_sync import STAGE_ENV
+
+        dtype, env = "float32", {STAGE_ENV: "1"}
+    reports = run_sync_worker(tiny_model_dir, layout, bucket_mb, machines, dtype, tmp_path, env)
     n = layout[0] * layout[1] * layout[2] + len(machines.split(","))
     assert sorted(reports) == list(range(n)) and all(r["ok"] for r in reports.values()), reports
     head = reports[0]
@@ -142,3 +148,36 @@ def test_dynamic_sampling_and_overlong_penalty_end_to_end(tmp_path, tiny_model_d
     assert n_dropped == sum(m["dropped_groups"] for m in steps)  # each drop counted in the next step's line
     assert all(m["dropped_groups"] <= 2 for m in steps) and n_dropped > 0
     assert all(e["trainer_version"] is None and not e["updated"] for e in dropped)
+
+
+def test_colocated_mode_shares_one_device_and_trains_exactly_once(tmp_path, tiny_model_dir):
+    """dist.colocate on CPU: 1 rollout + 1 train rank, every group on gloo, weights staged through host memory
+    (forced here: on CPU they need not be), the staleness bound and exactly-once hold."""
+    from parallel.weight_sync import STAGE_ENV
+
+    args = [
+        f"model.path={tiny_model_dir}",
+        f"logging.run_dir={tmp_path}",
+        "logging.run_name=r",
+        "train.total_steps=3",
+        "train.max_train_seconds=0",
+        "train.prompts_per_step=2",
+        "rollout.samples_per_prompt=4",
+        "rollout.max_new_tokens=16",
+        "data.num_test=4",
+        "data.num_train=100",
+        "logging.eval_every=3",
+        "logging.progress=false",
+        "max_staleness=1",
+        "plan.num_rollout=1",
+        "dist.colocate=true",
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env={**ENV, STAGE_ENV: "1"}, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = tmp_path / "r"
+    metrics = [json.loads(line) for line in open(run / "metrics.jsonl")]
+    steps = [m for m in metrics if "loss" in m]
+    assert [m["step"] for m in steps] == [1, 2, 3]
+    assert all(m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"] > 0 for m in steps), steps
+    check_ledger([json.loads(line) for line in open(run / "ledger.jsonl")], 1, 3, batch=2 * 4)

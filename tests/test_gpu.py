@@ -151,3 +151,22 @@ def test_trainer_on_cuda_matches_the_cpu_reference(nccl_world_of_one, dtype):
         assert metrics["loss"] == pytest.approx(sum(ref_losses) / 2, rel=0.05, abs=0.02)
         for n, t in ref_after.items():
             assert (after[n] - t).norm() <= 2e-2 * t.norm(), n
+
+
+def test_colocated_run_on_one_gpu(tmp_path):
+    """config=gpu_single: a rollout and a train rank on this one GPU (gloo everywhere, weights through pinned host
+    memory, each role capped at its memory fraction): a few steps, exactly once, within the staleness bound."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny import ENV, ROOT
+
+    args = ["config=gpu_single", f"logging.run_dir={tmp_path}", "logging.run_name=r", "train.total_steps=4"]
+    args += ["train.max_train_seconds=0", "data.num_test=16", "logging.eval_every=2", "logging.progress=false"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node=2", "--standalone", "train.py", *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    ledger = [json.loads(line) for line in open(tmp_path / "r" / "ledger.jsonl")]
+    assert len({(e["group_id"], e["sample_idx"]) for e in ledger}) == len(ledger) == 4 * 16 * 8
+    assert all(e["trainer_version"] - e["min_version"] <= 4 for e in ledger)
