@@ -148,3 +148,29 @@ class RunLog:
         self.ledger_file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def audit_run(run_dir: str | os.PathLike) -> dict:
+    """What a finished run's logs show: steps, each trajectory consumed once (trained or dropped), the oldest token
+    any step trained on (trainer version - the token's version), held-out accuracy first / last / best, and the
+    mean importance weight. For scripts that check a run (exp/check_run.py); the tests audit more strictly."""
+    run = Path(run_dir)
+    metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines() if x.strip()]
+    steps = [m for m in metrics if "loss" in m]
+    evals = [m["eval_accuracy"] for m in metrics if m.get("eval_accuracy") is not None]
+    keys = [(e["group_id"], e["sample_idx"]) for e in ledger]
+    trained = [e for e in ledger if e["trainer_version"] is not None]
+    weights = [m["importance_weight_mean"] for m in steps if m.get("importance_weight_mean") is not None]
+    return {
+        "steps": len(steps),
+        "trajectories": len(ledger),
+        "consumed_twice": len(keys) - len(set(keys)),
+        "dropped": len(ledger) - len(trained),
+        "staleness_max": max((e["trainer_version"] - e["min_version"] for e in trained), default=0),
+        "eval_first": evals[0] if evals else None,
+        "eval_last": evals[-1] if evals else None,
+        "eval_best": max(evals) if evals else None,
+        "importance_weight_mean": sum(weights) / len(weights) if weights else None,
+        "train_seconds": steps[-1]["time"] if steps and "time" in steps[-1] else None,
+    }

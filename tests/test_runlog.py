@@ -2,6 +2,7 @@
 speed everywhere else -- this is the test that runs the W&B path a new user gets."""
 
 import json
+from pathlib import Path
 
 from config import load_config
 from runlog import RunLog, run_directory
@@ -35,3 +36,35 @@ def test_wandb_offline_run_logs_metrics_and_keeps_its_id(tmp_path, monkeypatch):
         assert log.wandb_id == first_id and log.wandb.id == first_id
     finally:
         log.close()
+
+
+def test_check_run_names_every_failed_check(tmp_path):
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("check_run", Path(__file__).parents[1] / "exp" / "check_run.py")
+    check_run = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check_run)
+
+    def write(ledger_extra=(), accs=(0.2, 0.5)):
+        run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
+        run.mkdir()
+        metrics = [{"step": 0, "eval_accuracy": accs[0]}]
+        metrics += [{"step": s, "time": s, "loss": 0.1, "importance_weight_mean": 1.01} for s in (1, 2)]
+        metrics += [{"step": 2, "eval_accuracy": accs[1]}]
+        ledger = [
+            {"group_id": g, "sample_idx": 0, "min_version": s - 1, "max_version": s - 1, "trainer_version": s - 1}
+            for g, s in ((0, 1), (1, 2))
+        ] + list(ledger_extra)
+        (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ledger))
+        return str(run)
+
+    good = write()
+    assert check_run.main([good, "--eta", "0", "--min-gain", "30", "--weights-near-one", "0.02"]) == 0
+    assert check_run.main([good, "--eta", "0", "--min-gain", "31"]) == 1  # 30 points gained
+    assert check_run.main([good, "--eta", "0", "--weights-near-one", "0.005"]) == 1
+    twice = {"group_id": 0, "sample_idx": 0, "min_version": 0, "max_version": 0, "trainer_version": 1}
+    bad = write([twice])
+    assert check_run.main([bad, "--eta", "0"]) == 1  # consumed twice, and one token a version old
+    assert check_run.main([bad, "--eta", "1"]) == 1  # still consumed twice
+    assert check_run.main([good, "--eta", "0", "--min-steps", "3"]) == 1
