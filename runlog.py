@@ -16,6 +16,7 @@ import math
 import os
 import secrets
 import time
+from collections import Counter
 from pathlib import Path
 
 import yaml
@@ -151,26 +152,67 @@ class RunLog:
 
 
 def audit_run(run_dir: str | os.PathLike) -> dict:
-    """What a finished run's logs show: steps, each trajectory consumed once (trained or dropped), the oldest token
-    any step trained on (trainer version - the token's version), held-out accuracy first / last / best, and the
-    mean importance weight. For scripts that check a run (exp/check_run.py); the tests audit more strictly."""
+    """What a finished run's logs show, and every way they break its guarantees (`problems`): step lines 1..N, each
+    within the staleness bound; every trajectory consumed exactly once (unique (group_id, sample_idx), N x
+    prompts_per_step x samples_per_prompt trained, each group whole), trained at version step - 1, no token older
+    than eta, versions monotonic, no skipped (non-finite) step, no fault events. Also: the oldest token trained on,
+    held-out accuracy first / last / best, the mean importance weight, the token-lag histogram. Used by
+    exp/check_run.py and exp/real_model_report.py."""
     run = Path(run_dir)
+    cfg = yaml.safe_load((run / "config.yaml").read_text())
+    eta = cfg["staleness"]["max_staleness"]
+    batch, group = cfg["train"]["prompts_per_step"], cfg["rollout"]["samples_per_prompt"]
     metrics = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if x.strip()]
     ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines() if x.strip()]
     steps = [m for m in metrics if "loss" in m]
-    evals = [m["eval_accuracy"] for m in metrics if m.get("eval_accuracy") is not None]
+    evals = [m for m in metrics if m.get("eval_accuracy") is not None]
+    events = [m["event"] for m in metrics if "event" in m]
+    trained = [e for e in ledger if "dropped" not in e]
     keys = [(e["group_id"], e["sample_idx"]) for e in ledger]
-    trained = [e for e in ledger if e["trainer_version"] is not None]
+    sizes = Counter(e["group_id"] for e in ledger)
+    lags = [e["trainer_version"] - e["min_version"] for e in trained]
+    problems = []
+    if [m["step"] for m in steps] != list(range(1, len(steps) + 1)):
+        problems.append(f"step lines {[m['step'] for m in steps][:10]}..., expected 1..{len(steps)}")
+    problems += [
+        f"step {m['step']}: staleness_max {m['staleness_max']} > eta {eta}" for m in steps if m["staleness_max"] > eta
+    ]
+    problems += [f"step {m['step']}: non-finite, update skipped" for m in steps if m.get("nonfinite_skipped")]
+    if events:
+        problems.append(f"fault events in the run: {events[:5]}")
+    if len(keys) != len(set(keys)):
+        twice = [k for k, n in Counter(keys).items() if n > 1]
+        problems.append(f"{len(twice)} trajectories consumed more than once, e.g. {twice[:3]}")
+    if len(trained) != len(steps) * batch * group:
+        problems.append(f"{len(trained)} trained trajectories, expected {len(steps)} x {batch} x {group}")
+    if any(n != group for n in sizes.values()):
+        problems.append(f"groups not whole: {[g for g, n in sizes.items() if n != group][:5]}")
+    for e in trained:
+        if e["trainer_version"] != e["step"] - 1:
+            problems.append(f"trained at version {e['trainer_version']} in step {e['step']}: {e}")
+        if e["trainer_version"] - e["min_version"] > eta:
+            problems.append(f"a token {e['trainer_version'] - e['min_version']} versions old > eta {eta}: {e}")
+        if not e["min_version"] <= e["max_version"] <= e["trainer_version"]:
+            problems.append(f"versions out of order: {e}")
+    if [e["step"] for e in ledger] != sorted(e["step"] for e in ledger):
+        problems.append("ledger steps not monotonic")
     weights = [m["importance_weight_mean"] for m in steps if m.get("importance_weight_mean") is not None]
+    accs = [m["eval_accuracy"] for m in evals]
     return {
+        "problems": problems[:20],
+        "eta": eta,
         "steps": len(steps),
         "trajectories": len(ledger),
-        "consumed_twice": len(keys) - len(set(keys)),
         "dropped": len(ledger) - len(trained),
-        "staleness_max": max((e["trainer_version"] - e["min_version"] for e in trained), default=0),
-        "eval_first": evals[0] if evals else None,
-        "eval_last": evals[-1] if evals else None,
-        "eval_best": max(evals) if evals else None,
+        "groups": len(sizes),
+        "staleness_max": max(lags, default=0),
+        "lag_hist": dict(sorted(Counter(lags).items())),
+        "eval_first": accs[0] if accs else None,
+        "eval_last": accs[-1] if accs else None,
+        "eval_best": max(accs) if accs else None,
         "importance_weight_mean": sum(weights) / len(weights) if weights else None,
-        "train_seconds": steps[-1]["time"] if steps and "time" in steps[-1] else None,
+        "train_seconds": steps[-1].get("time") if steps else None,
+        "config": cfg,
+        "step_lines": steps,
+        "eval_lines": evals,
     }

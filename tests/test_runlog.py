@@ -45,15 +45,20 @@ def test_check_run_names_every_failed_check(tmp_path):
     check_run = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(check_run)
 
-    def write(ledger_extra=(), accs=(0.2, 0.5)):
+    def write(ledger_extra=(), accs=(0.2, 0.5), oldest=(0, 1)):
         run = tmp_path / f"run{len(list(tmp_path.iterdir()))}"
         run.mkdir()
+        config = {"staleness": {"max_staleness": 0}, "train": {"prompts_per_step": 1}}
+        (run / "config.yaml").write_text(json.dumps({**config, "rollout": {"samples_per_prompt": 1}}))
         metrics = [{"step": 0, "eval_accuracy": accs[0]}]
-        metrics += [{"step": s, "time": s, "loss": 0.1, "importance_weight_mean": 1.01} for s in (1, 2)]
+        metrics += [
+            {"step": s, "time": s, "loss": 0.1, "importance_weight_mean": 1.01, "staleness_max": 0} for s in (1, 2)
+        ]
         metrics += [{"step": 2, "eval_accuracy": accs[1]}]
         ledger = [
-            {"group_id": g, "sample_idx": 0, "min_version": s - 1, "max_version": s - 1, "trainer_version": s - 1}
-            for g, s in ((0, 1), (1, 2))
+            {"group_id": g, "sample_idx": 0, "min_version": v, "max_version": s - 1, "trainer_version": s - 1}
+            | {"step": s, "updated": True}
+            for g, s, v in ((0, 1, oldest[0]), (1, 2, oldest[1]))
         ] + list(ledger_extra)
         (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
         (run / "ledger.jsonl").write_text("".join(json.dumps(e) + "\n" for e in ledger))
@@ -63,8 +68,9 @@ def test_check_run_names_every_failed_check(tmp_path):
     assert check_run.main([good, "--eta", "0", "--min-gain", "30", "--weights-near-one", "0.02"]) == 0
     assert check_run.main([good, "--eta", "0", "--min-gain", "31"]) == 1  # 30 points gained
     assert check_run.main([good, "--eta", "0", "--weights-near-one", "0.005"]) == 1
-    twice = {"group_id": 0, "sample_idx": 0, "min_version": 0, "max_version": 0, "trainer_version": 1}
-    bad = write([twice])
-    assert check_run.main([bad, "--eta", "0"]) == 1  # consumed twice, and one token a version old
-    assert check_run.main([bad, "--eta", "1"]) == 1  # still consumed twice
+    twice = {"group_id": 0, "sample_idx": 0, "min_version": 1, "max_version": 1, "trainer_version": 1, "step": 2}
+    bad = write([twice | {"updated": True}])
+    assert check_run.main([bad]) == 1  # consumed twice (its group no longer whole, 3 trained for 2 steps)
+    stale = write(oldest=(0, 0))
+    assert check_run.main([stale]) == 1  # one token a version old under the run's own bound 0
     assert check_run.main([good, "--eta", "0", "--min-steps", "3"]) == 1
