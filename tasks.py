@@ -141,19 +141,45 @@ def problem_from_row(row: dict) -> Problem:
     return Problem(row["question"], int(row["answer"]), tuple(row["terms"]), tuple(row["ops"]))
 
 
-def load_task(data_cfg, tokenizer) -> tuple[list[dict], list[dict]]:
+def load_task(data_cfg, tokenizer, max_prompt_tokens: int | None = None) -> tuple[list[dict], list[dict]]:
     """Train and held-out rows as dicts with prompt_id, question, answer and prompt (the text the model
-    sees). `arith` is built here; GSM8K / MATH / DeepScaleR / local files go through load_task_splits below."""
+    sees). `arith` is built here; GSM8K / MATH / DeepScaleR / local files go through load_task_splits below.
+    A prompt longer than `max_prompt_tokens` tokens is a bad row (data.on_bad_row: skipped and counted, or an
+    error naming it): the rollout could not generate for it."""
     if data_cfg.task == "arith":
         ds = make_arith_dataset(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
         train, test = list(ds["train"]), list(ds["test"])
         for row in train + test:
             row["prompt"] = format_prompt(row["question"])
-        return train, test
-    train, test = load_task_splits(data_cfg)
-    for row in train + test:
-        row["prompt"] = chat_prompt(tokenizer, row["question"])
-    return train, test[: data_cfg.num_test] if data_cfg.num_test else test
+    else:
+        train, test = load_task_splits(data_cfg)
+        for row in train + test:
+            row["prompt"] = chat_prompt(tokenizer, row["question"])
+        test = test[: data_cfg.num_test] if data_cfg.num_test else test
+    if max_prompt_tokens is not None:
+        train, test = (
+            _within(rows, tokenizer, max_prompt_tokens, data_cfg.on_bad_row, s)
+            for rows, s in ((train, "train"), (test, "test"))
+        )
+        if not train:
+            raise DataError(f"{data_cfg.task}: no train prompt fits in {max_prompt_tokens} tokens")
+    return train, test
+
+
+def _within(rows: list[dict], tokenizer, limit: int, on_bad_row: str, split: str) -> list[dict]:
+    if not rows:
+        return rows
+    lengths = [len(ids) for ids in tokenizer([r["prompt"] for r in rows])["input_ids"]]
+    long = [(r, n) for r, n in zip(rows, lengths) if n > limit]
+    if long and on_bad_row == "fail":
+        row, n = long[0]
+        raise DataError(
+            f"{split} prompt {row['prompt_id']} has {n} tokens, more than the {limit} allowed (data.max_prompt_tokens, "
+            f"and rollout.max_seq_len - rollout.max_new_tokens); {len(long)} such rows"
+        )
+    if long:
+        log.warning("%s: skipped %d of %d prompts longer than %d tokens", split, len(long), len(rows), limit)
+    return [r for r, n in zip(rows, lengths) if n <= limit]
 
 
 log = logging.getLogger(__name__)

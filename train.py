@@ -884,7 +884,8 @@ def main(argv: list[str]) -> int:
     if problems := layout_mismatches(plan, layout, any_device=True):  # the groups run something else than planned
         raise PlanError(f"the process groups do not run the plan: {problems[0]}")
     try:
-        train_rows, test_rows = load_task(cfg.data, tok)
+        prompt_limit = min(cfg.data.max_prompt_tokens, cfg.rollout.max_seq_len - cfg.rollout.max_new_tokens)
+        train_rows, test_rows = load_task(cfg.data, tok, prompt_limit)
     except (DataError, OSError) as e:  # bad rows (on_bad_row=fail), missing files, no rows
         raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]

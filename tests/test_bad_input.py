@@ -167,6 +167,31 @@ def test_bad_rows_skip_is_counted(tmp_path):
     assert len({r["prompt_id"] for r in train + test}) == 9
 
 
+def test_prompts_too_long_for_the_rollout_are_skipped_or_named(tmp_path):
+    from config import DataConfig
+    from tasks import DataError, load_task
+
+    path = tmp_path / "rows.jsonl"
+    rows = [{"question": "What is " + "1+" * i + "1?", "answer": f"#### {i + 1}"} for i in range(10)]
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+
+    class Tok:  # one token per character: prompt length grows with i
+        chat_template = None
+
+        def __call__(self, texts):
+            return {"input_ids": [list(t) for t in texts]}
+
+    cfg = DataConfig(task=str(path), on_bad_row="skip", num_test=0)
+    every, _ = load_task(cfg, Tok())
+    limit = sorted(len(r["prompt"]) for r in every)[5]  # the 6 shortest fit
+    kept, _ = load_task(cfg, Tok(), max_prompt_tokens=limit)
+    assert len(kept) == 6 and all(len(r["prompt"]) <= limit for r in kept)
+    with pytest.raises(DataError, match=rf"has \d+ tokens, more than the {limit} allowed .*; 4 such rows"):
+        load_task(DataConfig(task=str(path), on_bad_row="fail", num_test=0), Tok(), max_prompt_tokens=limit)
+    with pytest.raises(DataError, match="no train prompt fits in 3 tokens"):
+        load_task(cfg, Tok(), max_prompt_tokens=3)
+
+
 # ---------------------------------------------------------------------------------------------- checkpoints
 def test_resume_refuses_other_config_and_incomplete_checkpoints(tmp_path):
     from checkpoint import CheckpointError, find_resume, latest_complete, load_head_state, truncate_logs
