@@ -372,6 +372,10 @@ RESUMABLE_KEYS = {
     "rollout.max_pending_scores",
     "train.logprob_chunk_tokens",  # memory only: the values are the same
     "train.activation_checkpointing",  # memory only: the values are the same
+    "rollout.kv_cache_fraction",  # the KV pool's size: scheduling only, every token's log-prob is the same
+    "rollout.kv_cache_tokens",
+    "rollout.kv_block_size",
+    "rollout.kv_seq_tokens",
     *MOVED,  # a checkpoint written before the move holds them under plan.*
     *MOVED.values(),
 }

@@ -24,7 +24,7 @@ them, so every group decoded before it is sent before `bye`; an abort drops them
 
 The generator: KV-cached, continuously batched, over HF Llama / Qwen2 / Qwen3 / Mistral weights.
 Rollout is HBM-bandwidth bound, so we own the three things that decide its speed and exactness:
-the KV cache (preallocated, one row per slot), the attention + decode loop, and the sampler.
+the KV cache (paged: fixed-size blocks from one pool per rank, KVPool), the attention + decode loop, and the sampler.
 Everything else is the HF model's own modules and weights (embed_tokens, each layer's norms,
 q/k/v/o projections and MLP, the final norm, lm_head and the rotary embedding), so a trainer that
 updates `model.state_dict()` names updates us, and nothing depends on HF's cache API. The HF pieces we
@@ -33,11 +33,13 @@ reads them, fused projections whose storage layout is chosen per shape on CPU) a
 HF module they replace (tests/test_generator.py).
 
 Story of a request:
-  add_request -> waiting queue -> admitted into the lowest free slot -> "prefill" writes the K/V of
-  all its tokens but the last into the slot's cache rows -> each step() feeds the last token of every
-  running slot through ONE batched decode forward, samples the next token -> a finished request frees
-  its slot at once and a waiting one takes it on the next step (continuous batching).
-  Invariant of a running slot: the cache holds K/V for tokens[:-1]; tokens[-1] is the next input.
+  add_request -> waiting queue -> admitted into the lowest free slot once the KV pool has blocks for it ->
+  "prefill" writes the K/V of all its tokens but the last into its blocks -> each step() gives every running
+  slot the block its next row needs and feeds the last token of every running slot through ONE batched decode
+  forward, samples the next token -> a finished request frees its slot and its blocks at once and a waiting one
+  takes them on the next step (continuous batching). A running sequence that needs a block the pool does not
+  have preempts the youngest request: back to the queue with its tokens, recomputed on readmission.
+  Invariant of a running slot: its blocks hold K/V for tokens[:-1]; tokens[-1] is the next input.
 
 Weight updates (`update_weights`) happen between step() calls. interrupt_mode="recompute" (default,
 as AReaL) re-prefills every in-flight sequence (prompt + tokens so far) under the new weights, so
@@ -70,7 +72,10 @@ whichever slot it lands in. `generate(prompts, params)` with one SamplingParams 
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import os
 import time
+import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -80,6 +85,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from buffer import Trajectory
+from config import ConfigError
 from emulation import Throttle
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
@@ -87,6 +93,7 @@ from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
 from parallel.trajectories import TrajectorySender
 from parallel.weight_sync import receive_version
 from reward_math import DEFAULT_LIMITS, RewardPool, ScoreDetails, ScoreLimits
+from runlog import peak_memory_bytes
 
 ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x * rsqrt(mean x^2 + eps) * w
@@ -249,14 +256,16 @@ class RolloutWorker:
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
         tp = 1 if replica is None else len(replica.ranks)
-        self.gpu_options = gpu_options(device, cfg.rollout.compile_decode, cfg.rollout.flash_attn, tp=tp)
+        kv = kv_options(r)
+        self.gpu_options = gpu_options(device, r.compile_decode, r.flash_attn, tp=tp, kv_block_size=r.kv_block_size)
         if replica is not None:
             self.gpu_options["tp_group"] = replica.group
         self.gen = Generator(
             model,
-            max_batch_size=cfg.rollout.max_batch_size,
-            max_seq_len=cfg.rollout.max_seq_len,
-            interrupt_mode=cfg.rollout.interrupt_mode,
+            max_batch_size=r.max_batch_size,
+            max_seq_len=r.max_seq_len,
+            interrupt_mode=r.interrupt_mode,
+            **kv,
             **self.gpu_options,
         )
         self.eval_gen: Generator | None = None
@@ -363,11 +372,13 @@ class RolloutWorker:
         if self.weights_incomplete:  # evaluated once the version has arrived whole (the head re-sends it)
             self.deferred_evals.append(msg)
             return
-        if self.eval_gen is None:  # a second cache over the same (shared) weights
+        if self.eval_gen is None:  # over the same (shared) weights and the same KV pool: no second cache
             self.eval_gen = Generator(
                 self.model,
                 max_batch_size=self.cfg.rollout.max_batch_size,
                 max_seq_len=self.cfg.rollout.max_seq_len,
+                kv_pool=self.gen.kv_pool,
+                kv_seq_tokens=self.cfg.rollout.kv_seq_tokens,
                 **self.gpu_options,
             )
         self.eval_gen.version = self.gen.version
@@ -439,6 +450,7 @@ class RolloutWorker:
             "prefill_s": self.gen.stats.prefill_seconds,
             "prefill_tokens": self.gen.stats.prefill_tokens,
             "throttle_s": sum(self.throttle.slept_s.values()),
+            "peak_memory_bytes": peak_memory_bytes(),
         }
 
     # -- the loop -----------------------------------------------------------------------------------
@@ -680,13 +692,16 @@ SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024  # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
 
 
-def gpu_options(device: torch.device, compile_decode: str = "auto", flash_attn: str = "never", tp: int = 1) -> dict:
+def gpu_options(
+    device: torch.device, compile_decode: str = "auto", flash_attn: str = "never", tp: int = 1, kv_block_size: int = 16
+) -> dict:
     """Generator keyword arguments from "auto" | "always" | "never" (not on/off: YAML reads those as booleans).
     auto compiles the decode step into CUDA graphs on a GPU (launch-bound eager) but not on CPU (the static step
     is slower there) nor under tensor parallelism (tp > 1: the step's collectives are not captured), and uses
-    flash-attn on a GPU when installed (opt-in: untested). Numbers: exp/GENERATOR.md."""
+    flash-attn on a GPU when installed and the KV blocks are a multiple of 256 tokens, which its paged kernel needs
+    (opt-in: untested). Numbers: exp/GENERATOR.md."""
     on_gpu = device.type == "cuda"
-    flash_ok = on_gpu and flash_attn_with_kvcache is not None
+    flash_ok = on_gpu and flash_attn_with_kvcache is not None and kv_block_size % 256 == 0
     return dict(
         compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu and tp == 1,
         use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok,
@@ -737,6 +752,7 @@ class GeneratorStats:
     prefill_forwards: int = 0  # prefill-only forward passes (the last chunk of a step rides in its decode forward)
     generated_tokens: int = 0
     weight_updates: int = 0
+    preemptions: int = 0  # requests sent back to the queue for lack of KV blocks (recomputed on readmission)
     prefill_seconds: float = 0.0  # planning, K/V copies and prefill-only forwards
     decode_seconds: float = 0.0  # decode forwards, with the prefill rows riding in them, and sampling
 
@@ -757,6 +773,9 @@ class _Request:
     hashed_seed: int = 0  # seed_hash(params.seed), for the per-token uniforms
     needs_prefill: bool = True
     cache_version: int = -1  # the weights its prompt's K/V in the cache were computed with
+    blocks: list[int] = field(default_factory=list)  # its block table: KV-pool blocks of positions 0, bs, 2 bs, ...
+    arrival: int = 0  # age on the KV pool (preemption sends the youngest back to the queue)
+    donor: _Request | None = None  # admitted this step sharing that request's prompt K/V (see Generator._admit)
 
     @property
     def all_tokens(self) -> list[int]:
@@ -770,8 +789,168 @@ class _Request:
 @dataclass
 class _PrefillChunk:
     tokens: torch.Tensor  # [n, length] tokens[:-1] of n requests, right-padded
-    write_rows: torch.Tensor  # rows of the cache's flat [slots * kv_heads * max_seq_len, D] view ...
+    write_rows: torch.Tensor  # rows of a pool layer's flat [kv_heads * pool rows, D] view ...
     read_rows: torch.Tensor  # ... that receive these rows of the chunk's k/v ([n * length * kv_heads, D])
+
+
+# ----------------------------------------------------------------------------- the paged KV cache
+
+
+class KVPool:
+    """The K/V of every sequence of a rank, in fixed-size blocks from one pool shared by its generators.
+
+    Storage: one tensor [K/V, layer, kv_heads, num_blocks + 1, block_size, head_dim] (`k[i]`, `v[i]`: a layer's
+    views), head-major: gathering a slot's blocks gives each head's keys as one contiguous [span, D] matrix, which
+    the batched attention matmuls read, and a token's row in a head's plane is block * block_size + offset; the
+    blocks a step allocates are zeroed with one op on it. Block 0 is the null block: no sequence owns it,
+    the unused entries of every block table point at it and idle slots write their dummy decode rows into it; it is
+    only ever read masked. A generator takes blocks as its sequences grow (at admission for the prompt, then one at
+    each block boundary) and returns them when a request finishes, is aborted, preempted or recomputed. Blocks are
+    reference counted: the samples of a GRPO group share the full blocks of their prompt. Every generator built on
+    the pool registers itself, so one that runs out of blocks can preempt the others' requests (they are not
+    stepping meanwhile: the rollout rank runs its eval generator to completion between rollout steps)."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_blocks: int,
+        block_size: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device: torch.device | str = "cpu",
+    ):
+        if num_blocks < 1 or block_size < 1:
+            raise ValueError(f"KVPool needs num_blocks >= 1 and block_size >= 1, got {num_blocks}, {block_size}")
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_blocks, self.block_size, self.dtype = num_blocks, block_size, dtype
+        self.device = torch.device(device)
+        self.storage = torch.zeros(
+            (2, num_layers, num_kv_heads, num_blocks + 1, block_size, head_dim), dtype=dtype, device=self.device
+        )
+        self.k, self.v = list(self.storage[0]), list(self.storage[1])  # per layer [kv_heads, blocks, offset, D]
+        self.refs = [0] * (num_blocks + 1)  # sequences holding each block (the null block: none, ever)
+        self.free = list(range(num_blocks, 0, -1))  # a stack: the block freed last is reused first
+        self.peak_used = 0
+        self.arrivals = itertools.count()  # request age across the pool's generators: preemption takes the youngest
+        self._generators: list[weakref.ref] = []
+
+    @staticmethod
+    def token_bytes(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        """Bytes of K and V of one token over all layers."""
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.block_size * self.token_bytes(self.num_layers, self.num_kv_heads, self.head_dim, self.dtype)
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    @property
+    def num_used(self) -> int:
+        return self.num_blocks - len(self.free)
+
+    @property
+    def used_bytes(self) -> int:
+        """K/V bytes of the blocks held by sequences now (the pool's storage is reserved once, up front)."""
+        return self.num_used * self.block_bytes
+
+    def allocate(self, n: int) -> list[int]:
+        if n > len(self.free):
+            raise RuntimeError(f"KVPool: {n} blocks asked, {len(self.free)} free")
+        blocks = [self.free.pop() for _ in range(n)]
+        for b in blocks:
+            self.refs[b] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
+        return blocks
+
+    def share(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] += 1
+
+    def release(self, blocks: list[int]) -> None:
+        for b in blocks:
+            self.refs[b] -= 1
+            if self.refs[b] == 0:
+                self.free.append(b)
+
+    def register(self, generator) -> None:
+        self._generators.append(weakref.ref(generator))
+
+    def generators(self) -> list:
+        alive = [g for g in (ref() for ref in self._generators) if g is not None]
+        self._generators = [weakref.ref(g) for g in alive]
+        return alive
+
+    def victim(self, generator, younger_than: _Request | None):
+        """(generator, request) to preempt so that `generator` can go on: the youngest running request of another
+        generator on the pool, else `generator`'s own youngest one younger than `younger_than` (none if None)."""
+        best = None
+        for other in self.generators():
+            if other is not generator:
+                for r in other.slots:
+                    if r is not None and r.blocks and (best is None or r.arrival > best[1].arrival):
+                        best = (other, r)
+        if best is not None or younger_than is None:
+            return best
+        for r in generator.slots:
+            if r is not None and r.blocks and r.arrival > younger_than.arrival:
+                if best is None or r.arrival > best[1].arrival:
+                    best = (generator, r)
+        return best
+
+
+def available_memory(device: torch.device) -> int:
+    """Bytes a new allocation could take now: on CUDA the free device memory plus what torch's caching allocator
+    holds unused; on CPU the kernel's MemAvailable (sysconf's free pages where /proc/meminfo is missing)."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        available = free + torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        # colocated mode caps this process at its share (dist.rollout_memory_fraction): the rest is the trainer's,
+        # even before it has allocated it
+        cap = torch.cuda.get_per_process_memory_fraction(device) * total - torch.cuda.memory_allocated(device)
+        return int(max(0, min(available, cap)))
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def kv_options(r) -> dict:
+    """Generator keyword arguments for the KV pool from a RolloutConfig, each value checked (one ConfigError naming
+    the key)."""
+    checks = [
+        (0.0 <= r.kv_cache_fraction < 1.0, f"rollout.kv_cache_fraction must be in [0, 1), got {r.kv_cache_fraction}"),
+        (
+            r.kv_cache_tokens >= 0,
+            f"rollout.kv_cache_tokens must be >= 0 (0 = sized otherwise), got {r.kv_cache_tokens}",
+        ),
+        (
+            r.kv_cache_tokens == 0 or r.kv_cache_tokens >= r.max_seq_len,
+            f"rollout.kv_cache_tokens ({r.kv_cache_tokens}) must hold one sequence of rollout.max_seq_len "
+            f"({r.max_seq_len})",
+        ),
+        (r.kv_block_size >= 1, f"rollout.kv_block_size must be >= 1, got {r.kv_block_size}"),
+        (
+            0 <= r.kv_seq_tokens <= r.max_seq_len,
+            f"rollout.kv_seq_tokens must be in [0, rollout.max_seq_len = {r.max_seq_len}], got {r.kv_seq_tokens}",
+        ),
+    ]
+    for ok, msg in checks:
+        if not ok:
+            raise ConfigError(msg)
+    return dict(
+        kv_block_size=r.kv_block_size,
+        kv_cache_tokens=r.kv_cache_tokens,
+        kv_cache_fraction=r.kv_cache_fraction,
+        kv_seq_tokens=r.kv_seq_tokens,
+    )
 
 
 class Generator:
@@ -783,7 +962,14 @@ class Generator:
     tp_group (a torch.distributed group of k > 1 ranks): this rank runs shard r of the model, tensor parallel
     (see the module docstring). The HF model's weights are sliced in place, once (the model is marked, so a
     second Generator on it, e.g. for evaluation, reuses the shard); every rank of the group must make the same
-    calls in the same order, and then gets the same outputs."""
+    calls in the same order, and then gets the same outputs.
+
+    The KV cache is paged (KVPool): `kv_pool` shares another generator's pool (the rollout rank's eval generator);
+    without one, the generator builds its own, of `kv_cache_tokens` tokens if > 0, else `kv_cache_fraction` of the
+    memory available after the weights (`available_memory`), else max_batch_size x max_seq_len tokens (a static
+    cache's size: never preempts), in blocks of `kv_block_size` tokens (16 by default). The slot count is
+    min(max_batch_size, pool tokens // kv_seq_tokens), kv_seq_tokens being the K/V a sequence is expected to hold
+    (0: max_seq_len, so that every slot can reach full length)."""
 
     def __init__(
         self,
@@ -797,6 +983,11 @@ class Generator:
         max_prefill_tokens: int = 16384,
         weight_layout: str = "auto",
         tp_group=None,
+        kv_pool: KVPool | None = None,
+        kv_block_size: int | None = None,
+        kv_cache_tokens: int = 0,
+        kv_cache_fraction: float = 0.0,
+        kv_seq_tokens: int = 0,
     ):
         config = model.config
         model_type = getattr(config, "model_type", None)
@@ -882,22 +1073,42 @@ class Generator:
             )
             self.rope_table = (cos[0], signed_sin(sin[0]))
 
-        # The cache: per layer [slots, kv_heads, max_seq_len, head_dim], owned by us.
-        shape = (max_batch_size, self.n_kv_heads, max_seq_len, self.head_dim)
-        self.k_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.v_cache = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in self.layers]
-        self.cache_positions = torch.arange(max_seq_len, device=self.device)
-        # row of (slot, kv head, position 0) in a cache's flat [slots * kv_heads * max_seq_len, D] view
-        self.kv_row_starts = (
-            torch.arange(max_batch_size * self.n_kv_heads, device=self.device).view(max_batch_size, -1) * max_seq_len
+        # The paged KV cache: blocks from a pool (this generator's own, or shared), a block table per slot.
+        self.kv_pool = self._kv_pool(kv_pool, kv_block_size, kv_cache_tokens, kv_cache_fraction, max_seq_len)
+        bs = self.block_size = self.kv_pool.block_size
+        self.max_blocks = -(-max_seq_len // bs)  # a block table's width: blocks of one sequence at max_seq_len
+        if self.kv_pool.num_blocks < self.max_blocks:
+            raise ValueError(
+                f"the KV pool holds {self.kv_pool.num_blocks} blocks of {bs} tokens; one sequence of max_seq_len "
+                f"{max_seq_len} needs {self.max_blocks}: raise kv_cache_tokens or kv_cache_fraction"
+            )
+        if use_flash_attn and bs % 256:
+            raise ValueError(f"use_flash_attn: flash-attn's paged kernel needs kv_block_size % 256 == 0, got {bs}")
+        if not 0 <= kv_seq_tokens <= max_seq_len:
+            raise ValueError(f"kv_seq_tokens must be in [0, max_seq_len = {max_seq_len}], got {kv_seq_tokens}")
+        self.max_batch_size = max(
+            1, min(max_batch_size, self.kv_pool.num_blocks * bs // (kv_seq_tokens or max_seq_len))
         )
+        self.kv_pool.register(self)
+        # per slot, its blocks (unused entries: the null block 0); on the device, and a host copy to edit
+        self.block_table = torch.zeros(self.max_batch_size, self.max_blocks, dtype=torch.int32, device=self.device)
+        self._table = (
+            self.block_table if self.device.type == "cpu" else torch.zeros_like(self.block_table, device="cpu")
+        )
+        self._table_dirty = False
+        self._fresh_blocks: list[int] = []  # allocated since the last forward: zeroed before it
+        self._gather_out: torch.Tensor | None = None  # CPU scratch for the gathered live blocks (see _live_kv)
+        self.cache_positions = torch.arange(self.max_blocks * bs, device=self.device)
+        # row of (kv head, block 0, offset 0) in a pool layer's flat [kv_heads * (num_blocks + 1) * bs, D] view
+        self.head_rows = torch.arange(self.n_kv_heads, device=self.device) * ((self.kv_pool.num_blocks + 1) * bs)
+        self.decode_span = 0  # positions per slot the last decode step's attention read (whole blocks)
 
         self.waiting: deque[_Request] = deque()
-        self.slots: list[_Request | None] = [None] * max_batch_size
+        self.slots: list[_Request | None] = [None] * self.max_batch_size
         self.requests: dict[Hashable, _Request] = {}
         self.stats = GeneratorStats()
 
-        # A compiled decode step needs static shapes: always all slots and the full cache length.
+        # A compiled decode step needs static shapes: always all slots and every block of their tables.
         self.static_decode = compile_decode
         self._decode_forward = self._forward_eager
         if compile_decode:
@@ -907,16 +1118,50 @@ class Generator:
                 # into the graph's own input buffers on every replay: the whole cache and the fused weights.
                 fused = [t for pair in self.qkv + self.gate_up + self.o_proj + self.down_proj for t in pair]
                 for t in [
-                    *self.k_cache,
-                    *self.v_cache,
+                    self.kv_pool.storage,
                     *fused,
                     self.cache_positions,
-                    self.kv_row_starts,
+                    self.head_rows,
+                    self.block_table,
                     *(self.rope_table or ()),
                 ]:
                     if t is not None:
                         torch._dynamo.mark_static_address(t)
             self._decode_forward = torch.compile(self._forward_eager, mode=mode, dynamic=False)
+
+    def _kv_pool(
+        self, pool: KVPool | None, block_size: int | None, tokens: int, fraction: float, max_seq_len: int
+    ) -> KVPool:
+        """The given pool (checked against this model's K/V geometry), or a new one sized as the class says."""
+        geometry = (len(self.layers), self.n_kv_heads, self.head_dim, self.dtype, self.device)
+        if pool is not None:
+            if tokens or fraction or block_size not in (None, pool.block_size):
+                raise ValueError("kv_pool is given: kv_cache_tokens, kv_cache_fraction and kv_block_size are its own")
+            theirs = (pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype, pool.device)
+            if theirs != geometry:
+                raise ValueError(
+                    f"kv_pool holds (layers, kv heads, head dim, dtype, device) {theirs}; this model needs {geometry}"
+                )
+            return pool
+        block_size = 16 if block_size is None else block_size
+        if block_size < 1:
+            raise ValueError(f"kv_block_size must be >= 1, got {block_size}")
+        if tokens < 0:
+            raise ValueError(f"kv_cache_tokens must be >= 0, got {tokens}")
+        if not 0.0 <= fraction < 1.0:
+            raise ValueError(f"kv_cache_fraction must be in [0, 1), got {fraction}")
+        if tokens:
+            num_blocks = -(-tokens // block_size)
+        elif fraction:
+            block_bytes = block_size * KVPool.token_bytes(*geometry[:4])
+            num_blocks = int(fraction * available_memory(self.device)) // block_bytes
+            if self.tp > 1:  # the ranks of a replica must take the same scheduling decisions: the smallest pool
+                n = torch.tensor([num_blocks], device=self.device)
+                dist.all_reduce(n, op=dist.ReduceOp.MIN, group=self.tp_group)
+                num_blocks = int(n.item())
+        else:
+            num_blocks = self.max_batch_size * -(-max_seq_len // block_size)
+        return KVPool(*geometry[:3], max(num_blocks, 1), block_size, self.dtype, self.device)
 
     def _shard_model(self, model) -> dict[str, tuple[int, tuple[int, ...]]]:
         """Replace each split parameter by this rank's slice, by the trainer's rules (parallel/tensor_parallel.py:
@@ -994,39 +1239,35 @@ class Generator:
         return x + self._row_parallel(layer.mlp.act_fn(gate).mul_(up), self.down_proj[i])
 
     def _plan_prefill(self, reqs: list[_Request]) -> list[_PrefillChunk]:
-        """Decide how each request's K/V of tokens[:-1] get into its slot; returns the chunks to compute.
+        """Decide how each request's K/V of tokens[:-1] get into its blocks; returns the chunks to compute.
 
-        The samples of a GRPO group share their prompt: a fresh request whose prompt is already in the
-        cache (another slot's, computed with the current weights) gets those K/V copied now; one whose
-        prompt is computed in this step becomes an extra destination of that computation's rows (prefill
-        is most of the work for short answers). The rest is computed in right-padded chunks of requests
-        sorted by length, each within the prefill token budget (count x longest)."""
+        The samples of a GRPO group share their prompt (`_admit` gave a fresh request whose prompt another one holds
+        or computes the full blocks of that prompt): the rest of a prompt resident in another slot (computed with the
+        current weights) is copied now, block by block; that of a prompt computed in this step becomes an extra
+        destination of that computation's rows (prefill is most of the work for short answers). The rest is computed
+        in right-padded chunks of requests sorted by length, each within the prefill token budget (count x
+        longest). Newly allocated blocks are zeroed first, so no stale K/V (not even a non-finite one) is read."""
+        self._zero_fresh_blocks()
         reqs = [r for r in reqs if r.num_tokens > 1]
         for r in reqs:
             r.cache_version = self.version
-        resident = {
-            tuple(r.prompt_ids): r.slot
-            for r in self.slots
-            if r is not None and not r.needs_prefill and r.cache_version == self.version
-        }
-        computed: dict[tuple, _Request] = {}
         compute: list[_Request] = []
-        sharers: dict[int, list[int]] = {}  # id(computed request) -> slots that receive its rows too
+        sharers: dict[int, list[_Request]] = {}  # id(computed request) -> requests that receive its rows too
+        copies: list[tuple[int, int]] = []  # (source block, destination block)
         for r in reqs:
-            key = tuple(r.prompt_ids)
-            if r.token_ids or key not in resident and key not in computed:
+            donor, r.donor = r.donor, None
+            if donor is None:
                 compute.append(r)
-                if not r.token_ids:
-                    computed[key] = r
-            elif key in resident:
-                n, src = len(r.prompt_ids) - 1, resident[key]
-                for k_layer, v_layer in zip(self.k_cache, self.v_cache):
-                    k_layer[r.slot, :, :n] = k_layer[src, :, :n]
-                    v_layer[r.slot, :, :n] = v_layer[src, :, :n]
-                self.stats.prefill_tokens_shared += n
-            else:
-                sharers.setdefault(id(computed[key]), []).append(r.slot)
-                self.stats.prefill_tokens_shared += len(r.prompt_ids) - 1
+                continue
+            n = len(r.prompt_ids) - 1
+            self.stats.prefill_tokens_shared += n
+            if donor.needs_prefill:  # computed in this step
+                sharers.setdefault(id(donor), []).append(r)
+            elif n % self.block_size:  # resident: its partly filled last prompt block is copied
+                copies.append((donor.blocks[n // self.block_size], r.blocks[n // self.block_size]))
+        if copies:
+            src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
+            self.kv_pool.storage.index_copy_(3, dst, self.kv_pool.storage.index_select(3, src))
         compute.sort(key=lambda r: r.num_tokens)
         chunks = []
         while compute:
@@ -1037,40 +1278,54 @@ class Generator:
             compute = compute[n:]
         return chunks
 
-    def _prefill_chunk(self, reqs: list[_Request], sharers: dict[int, list[int]]) -> _PrefillChunk:
-        """Right-padded tokens[:-1] of `reqs` and where each real row's K/V go in the flat cache view."""
+    def _token_rows(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
+        """Rows of positions [start, end) of a sequence with these blocks, in a head's plane of the pool (CPU)."""
+        pos = torch.arange(start, end)
+        return torch.tensor(blocks)[pos // self.block_size] * self.block_size + pos % self.block_size
+
+    def _prefill_chunk(self, reqs: list[_Request], sharers: dict[int, list[_Request]]) -> _PrefillChunk:
+        """Right-padded tokens[:-1] of `reqs` and where each real row's K/V go in a pool layer's flat view."""
         seqs = [r.all_tokens[:-1] for r in reqs]
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
-        heads = torch.arange(self.n_kv_heads)
-        dst, src = [], []  # cache rows (slot, kv head, position) <- rows (request, position, kv head) of k
+        heads, head_rows = torch.arange(self.n_kv_heads), self.head_rows.cpu()
+        dst, src = [], []  # pool rows (kv head, block, offset) <- rows (request, position, kv head) of k
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             tokens[i, : len(s)] = torch.tensor(s)
             pos = torch.arange(len(s)).unsqueeze(1)  # [len, 1]
-            for slot in [r.slot] + sharers.get(id(r), []):
-                dst.append((slot * self.n_kv_heads + heads) * self.max_seq_len + pos)
-                src.append((i * length + pos) * self.n_kv_heads + heads)
+            dst.append(self._token_rows(r.blocks, 0, len(s)).unsqueeze(1) + head_rows)
+            src.append((i * length + pos) * self.n_kv_heads + heads)
+            for sharer in sharers.get(id(r), []):  # it holds the full prompt blocks already: the rest of the prompt
+                start = len(s) // self.block_size * self.block_size
+                dst.append(self._token_rows(sharer.blocks, start, len(s)).unsqueeze(1) + head_rows)
+                src.append((i * length + pos[start:]) * self.n_kv_heads + heads)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         return _PrefillChunk(
             tokens.to(self.device), torch.cat(dst).view(-1).to(self.device), torch.cat(src).view(-1).to(self.device)
         )
 
     def _forward_eager(
-        self, tokens: torch.Tensor, positions: torch.Tensor, span: int, chunk: _PrefillChunk | None = None
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        span: int,
+        chunk: _PrefillChunk | None = None,
     ) -> torch.Tensor | None:
         """One decode token for each of the first `tokens.shape[0]` slots, plus (optionally) the prefill rows
         of a chunk riding in the same GEMMs; returns fp32 logits [B, V] of the decode rows (None if B = 0).
 
-        tokens/positions [B]: the input token of each slot and the cache index it is written at.
-        span: how many cache positions decode attention reads (>= max(positions) + 1).
+        tokens/positions [B]: the input token of each slot and its position; rows [B]: where its K/V go in a head's
+        plane of the pool (block * block_size + offset; idle slots: the null block). span: how many positions
+        (whole blocks, >= max(positions) + 1) of each slot's block table decode attention reads.
         Prefill rows are appended after the decode rows; they attend among themselves (causal SDPA over the
-        padded chunk) while decode rows read the cache, which holds every row's K/V of this layer by then.
+        padded chunk) while decode rows read the pool, which holds every row's K/V of this layer by then.
         Riding along costs a fraction of a separate forward: at these sizes a GEMM's cost is mostly the
         pass over the weights (tiny model, 17 GEMMs: 60 rows cost 1.26x 32 rows; 28 rows alone cost as much).
         """
         b = tokens.shape[0]
         kv = self.n_kv_heads
-        write_rows = (self.kv_row_starts[:b] + positions.unsqueeze(1)).view(-1)
+        write_rows = (rows.unsqueeze(1) + self.head_rows).view(-1)
         read_rows = None  # rows of k/v to write (None: all, in order)
         rows_pos = positions
         if chunk is not None:
@@ -1081,52 +1336,85 @@ class Generator:
             read_rows = torch.cat([torch.arange(b * kv, device=self.device), chunk.read_rows + b * kv])
         x = self._embed(tokens.unsqueeze(1))  # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
-        masks = (
-            {}
-            if b == 0 or self.use_flash_attn
-            else {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
-        )
+        masks, live = {}, None
+        if b and not self.use_flash_attn:
+            masks = {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
+            live = self.block_table[:b, : span // self.block_size].reshape(-1)  # the live blocks, slot-major
         for i in range(len(self.layers)):
             q, k, v = self._qkv(i, x, cos, sin)  # [rows, heads, 1, D]
             window = self.windows[i]
-            # write every row's K/V first (index_copy_: a third of index_put's time), then attention reads the cache
-            for cache, new in ((self.k_cache[i], k), (self.v_cache[i], v)):
+            # write every row's K/V first (index_copy_: a third of index_put's time), then attention reads the pool
+            for pool, new in ((self._pool_layer(0, i), k), (self._pool_layer(1, i), v)):
                 new = new.reshape(-1, self.head_dim)
-                cache.view(-1, self.head_dim).index_copy_(0, write_rows, new if read_rows is None else new[read_rows])
+                pool.view(-1, self.head_dim).index_copy_(0, write_rows, new if read_rows is None else new[read_rows])
             if i == len(self.layers) - 1 and chunk is not None:  # only the prefill rows' cache is wanted
                 if b == 0:
                     return None
                 x, q, chunk = x[:b], q[:b], None
             outs = []
             if b:
-                outs.append(self._decode_attention(i, q[:b], positions, span, window, masks.get(window)))
+                outs.append(self._decode_attention(i, q[:b], positions, span, window, masks.get(window), live))
             if chunk is not None:
                 outs.append(self._prefill_attention(q[b:], k[b:], v[b:], n, length, window))
             x = self._finish_layer(i, x, outs[0] if len(outs) == 1 else torch.cat(outs))
         return self._logits(rms_norm(self.norm, x)[:, 0])
 
+    def _pool_layer(self, kv: int, i: int) -> torch.Tensor:
+        """Layer i's K (kv=0) or V (1) in the pool. The compiled step indexes the storage, so that its graph mutates
+        one input rather than views of it; eager takes the pool's ready views (no indexing ops per layer)."""
+        return self.kv_pool.storage[kv, i] if self.static_decode else (self.kv_pool.k, self.kv_pool.v)[kv][i]
+
     def _decode_mask(self, positions: torch.Tensor, span: int, window: int | None) -> torch.Tensor:
-        """Additive mask [B * kv_heads, 1, span]: each slot reads its own positions (within the window)."""
+        """Additive mask [kv_heads * B, 1, span] (head-major, as the gathered K/V): each slot reads its own
+        positions (within the window); the rest of its last block and the null blocks after it are masked."""
         b = positions.shape[0]
         kpos, qpos = self.cache_positions[:span].unsqueeze(0), positions.unsqueeze(1)
         keep = (kpos <= qpos) if window is None else (kpos <= qpos) & (kpos > qpos - window)
         return (
-            torch.zeros(b, self.n_kv_heads, 1, span, dtype=self.dtype, device=self.device)
-            .masked_fill_(~keep.view(b, 1, 1, span), float("-inf"))
+            torch.zeros(self.n_kv_heads, b, 1, span, dtype=self.dtype, device=self.device)
+            .masked_fill_(~keep.view(1, b, 1, span), float("-inf"))
             .view(-1, 1, span)
         )
 
+    def _live_kv(self, pool: torch.Tensor, live: torch.Tensor, b: int, span: int) -> torch.Tensor:
+        """The blocks `live` of one pool layer, gathered as [kv_heads * B, span, D]: for each head and slot its
+        positions [0, span) as one contiguous matrix. On CPU (eager) into one scratch buffer, K's and then V's,
+        that grows with the longest live span: a fresh 1 MB allocation per gather is a page-faulting mmap there,
+        and writing the V over the K just read keeps the copy in cache (tiny model, 32 slots, 4 layers timed
+        alone: span 64 on par with reading a static cache in place, span 160 4-17% slower; 45-55% with two
+        buffers)."""
+        plane = pool.view(self.n_kv_heads, -1, self.block_size * self.head_dim)
+        if self.device.type != "cpu" or self.static_decode:
+            out = plane.index_select(1, live)
+        else:
+            numel = self.n_kv_heads * live.numel() * self.block_size * self.head_dim
+            if self._gather_out is None or self._gather_out.numel() < numel:
+                self._gather_out = torch.empty(numel + numel // 4, dtype=self.dtype)
+            out = torch.index_select(
+                plane, 1, live, out=self._gather_out[:numel].view(self.n_kv_heads, live.numel(), -1)
+            )
+        return out.view(self.n_kv_heads * b, span, self.head_dim)
+
     def _decode_attention(
-        self, i: int, q: torch.Tensor, positions: torch.Tensor, span: int, window: int | None, mask: torch.Tensor | None
+        self,
+        i: int,
+        q: torch.Tensor,
+        positions: torch.Tensor,
+        span: int,
+        window: int | None,
+        mask: torch.Tensor | None,
+        live: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Attention of one query row per slot over its cache rows; returns [B, 1, heads * D]."""
+        """Attention of one query row per slot over its live blocks; returns [B, 1, heads * D]."""
         b = q.shape[0]
-        if self.use_flash_attn:
+        kv, group = self.n_kv_heads, self.n_heads // self.n_kv_heads
+        if self.use_flash_attn:  # the pool as flash-attn's paged layout [blocks, block_size, kv_heads, D] (a view)
             out = flash_attn_with_kvcache(
                 q.transpose(1, 2),
-                self.k_cache[i][:b].transpose(1, 2),
-                self.v_cache[i][:b].transpose(1, 2),
+                self._pool_layer(0, i).permute(1, 2, 0, 3),
+                self._pool_layer(1, i).permute(1, 2, 0, 3),
                 cache_seqlens=(positions + 1).to(torch.int32),
+                block_table=self.block_table[:b],
                 softmax_scale=self.scale,
                 causal=True,
                 window_size=(-1, -1) if window is None else (window - 1, 0),
@@ -1134,12 +1422,12 @@ class Generator:
             return out.reshape(b, 1, -1)
         # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
         # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
-        qg = q.reshape(b * self.n_kv_heads, self.n_heads // self.n_kv_heads, self.head_dim)
-        keys = self.k_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
-        values = self.v_cache[i][:b, :, :span].reshape(b * self.n_kv_heads, span, self.head_dim)
+        qg = q.reshape(b, kv, group, self.head_dim).transpose(0, 1).reshape(kv * b, group, self.head_dim)
+        keys = self._live_kv(self._pool_layer(0, i), live, b, span)
         scores = torch.baddbmm(mask, qg, keys.transpose(1, 2), alpha=self.scale)
         probs = scores.softmax(-1, dtype=torch.float32).to(self.dtype)
-        return torch.bmm(probs, values).view(b, 1, -1)
+        values = self._live_kv(self._pool_layer(1, i), live, b, span)  # over the keys (on CPU)
+        return torch.bmm(probs, values).view(kv, b, group * self.head_dim).transpose(0, 1).reshape(b, 1, -1)
 
     def _prefill_attention(self, q, k, v, n: int, length: int, window: int | None) -> torch.Tensor:
         """Causal attention within each right-padded sequence of a chunk (a real query never looks past
@@ -1197,6 +1485,7 @@ class Generator:
             prompt_ids,
             dataclasses.replace(params, stop_token_ids=list(params.stop_token_ids)),
             hashed_seed=seed_hash(params.seed),
+            arrival=next(self.kv_pool.arrivals),
         )
         self.requests[request_id] = req
         self.waiting.append(req)
@@ -1206,25 +1495,26 @@ class Generator:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Admit waiting requests into free slots (prefill), then ONE batched decode step for all
-        running slots. Returns the requests that finished in this step."""
-        for slot in range(self.max_batch_size):
-            if not self.waiting:
-                break
-            if self.slots[slot] is None:
-                req = self.waiting.popleft()
-                req.slot, req.needs_prefill = slot, True
-                self.slots[slot] = req
+        """Give every running slot the KV blocks it needs (preempting the youngest requests if the pool is out
+        of them), admit waiting requests into free slots while blocks last (prefill), then ONE batched decode
+        step for all running slots. Returns the requests that finished in this step."""
+        t0 = time.perf_counter()
+        self._grow()
+        self.stats.decode_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
+        self._admit()
         running = [r for r in self.slots if r is not None]
         if not running:
+            if self.waiting:  # cannot happen: the pool holds a whole sequence and the others' blocks can be taken
+                raise RuntimeError("Generator.step: requests wait but none can be admitted (KV pool accounting)")
             return []
         to_prefill = [r for r in running if r.needs_prefill]
         riding = None
         if to_prefill:
-            t0 = time.perf_counter()
             chunks = self._plan_prefill(to_prefill)
             for r in to_prefill:
                 r.needs_prefill = False
+            self._sync_table()
             # the last chunk rides in the decode forward; earlier ones (over the token budget), and all of
             # them under a compiled static-shape decode step, run as prefill-only forwards
             if chunks and not self.static_decode:
@@ -1232,20 +1522,27 @@ class Generator:
             no_rows = torch.zeros(0, dtype=torch.long, device=self.device)
             for chunk in chunks:
                 self.stats.prefill_forwards += 1
-                self._forward_eager(no_rows, no_rows, 0, chunk)
-            self.stats.prefill_seconds += time.perf_counter() - t0
+                self._forward_eager(no_rows, no_rows, no_rows, 0, chunk)
+        self.stats.prefill_seconds += time.perf_counter() - t0
 
         t0 = time.perf_counter()
+        self._zero_fresh_blocks()
+        self._sync_table()
         width = self.max_batch_size if self.static_decode else max(r.slot for r in running) + 1
-        tokens, positions = [0] * width, [0] * width  # idle slots decode a dummy token at position 0
+        # idle slots decode a dummy token at position 0, written into the null block
+        tokens, positions, rows = [0] * width, [0] * width, [0] * width
+        bs = self.block_size
         for r in running:
-            tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], r.num_tokens - 1
-        span = self.max_seq_len if self.static_decode else max(positions) + 1
+            p = r.num_tokens - 1
+            tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], p
+            rows[r.slot] = r.blocks[p // bs] * bs + p % bs
+        # the live blocks: up to the longest sequence's last block (compiled: every block, static shapes)
+        span = self.max_blocks * bs if self.static_decode else (max(positions) // bs + 1) * bs
+        self.decode_span = span
         if self.static_decode and self.device.type == "cuda":
             torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: reuse their memory
-        logits = self._decode_forward(
-            torch.tensor(tokens, device=self.device), torch.tensor(positions, device=self.device), span, riding
-        )
+        as_tensor = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
+        logits = self._decode_forward(as_tensor(tokens), as_tensor(positions), as_tensor(rows), span, riding)
         new_tokens, new_logprobs = self._sample(logits, running)
         self.stats.decode_steps += 1
         self.stats.generated_tokens += len(running)
@@ -1264,6 +1561,143 @@ class Generator:
                 finished.append(self._release(r, reason))
         self.stats.decode_seconds += time.perf_counter() - t0
         return finished
+
+    # ------------------------------------------------------------------ KV blocks
+
+    def _blocks_for(self, num_tokens: int) -> int:
+        """Blocks a running request of num_tokens tokens holds: K/V of tokens[:-1] plus its next decode row."""
+        return -(-num_tokens // self.block_size)
+
+    def _grow(self) -> None:
+        """Every running request, oldest first, gets the blocks its next decode row needs (one at a block boundary;
+        all of them for a recompute after a weight swap). A request the pool cannot serve takes the blocks of the
+        youngest requests (another generator's on the pool first, then this one's younger ones); failing that it is
+        the youngest itself and goes back to the queue."""
+        for r in sorted((r for r in self.slots if r is not None), key=lambda r: r.arrival):
+            if r.slot < 0:  # preempted for an older one in this loop
+                continue
+            need = self._blocks_for(r.num_tokens) - len(r.blocks)
+            if need <= 0:
+                continue
+            if self._reserve(need, r):
+                self._assign(r, r.blocks + self._allocate(need))
+            else:
+                self._preempt(r)
+
+    def _reserve(self, need: int, younger_than: _Request | None) -> bool:
+        """Free blocks until `need` are free, preempting as KVPool.victim says; False if not possible."""
+        while self.kv_pool.num_free < need:
+            victim = self.kv_pool.victim(self, younger_than)
+            if victim is None:
+                return False
+            victim[0]._preempt(victim[1])
+        return True
+
+    def _admit(self) -> None:
+        """Waiting requests, in order, into free slots (lowest first) while the pool has their blocks and, besides,
+        one block of headroom for every running sequence that can still grow (itself included): admitting up to the
+        last block would only preempt the newcomer at its next block boundary. A pool of a static cache's size thus
+        never refuses a free slot. The first request that does not fit waits, and so do the ones behind it. A fresh
+        request whose prompt another slot holds (computed with the current weights) or computes in this step shares
+        the full blocks of that prompt (refcounted, never written again: decode writes from the prompt's last
+        position on, a recompute takes fresh blocks)."""
+        if not self.waiting:
+            return
+        headroom = sum(self._can_grow(r, len(r.blocks)) for r in self.slots if r is not None)
+        resident = {
+            tuple(r.prompt_ids): r
+            for r in self.slots
+            if r is not None and not r.needs_prefill and r.cache_version == self.version
+        }
+        computed: dict[tuple, _Request] = {}
+        for slot in range(self.max_batch_size):
+            if not self.waiting:
+                break
+            if self.slots[slot] is not None:
+                continue
+            r = self.waiting[0]
+            donor, key = None, tuple(r.prompt_ids)
+            if not r.token_ids and len(r.prompt_ids) > 1:
+                donor = resident.get(key) or computed.get(key)
+            shared = (len(r.prompt_ids) - 1) // self.block_size if donor is not None else 0
+            need = self._blocks_for(r.num_tokens) - shared
+            grows = self._can_grow(r, need + shared)
+            if not self._reserve(need + headroom + grows, None):
+                break
+            headroom += grows
+            self.waiting.popleft()
+            r.slot, r.needs_prefill, r.donor = slot, True, donor
+            self.slots[slot] = r
+            blocks = donor.blocks[:shared] if donor is not None else []
+            self.kv_pool.share(blocks)
+            self._assign(r, blocks + self._allocate(need))
+            if donor is None and not r.token_ids and len(r.prompt_ids) > 1:
+                computed[key] = r
+
+    def _can_grow(self, r: _Request, holding: int) -> bool:
+        """Will a request holding this many blocks need another before its max_new_tokens-th token?"""
+        return self._blocks_for(len(r.prompt_ids) + r.params.max_new_tokens - 1) > holding
+
+    def _allocate(self, n: int) -> list[int]:
+        blocks = self.kv_pool.allocate(n)
+        self._fresh_blocks += blocks
+        return blocks
+
+    def _zero_fresh_blocks(self) -> None:
+        if self._fresh_blocks:
+            self.kv_pool.storage.index_fill_(3, torch.tensor(self._fresh_blocks, device=self.device), 0.0)
+            self._fresh_blocks = []
+
+    def _assign(self, r: _Request, blocks: list[int]) -> None:
+        """Set a running request's blocks and its row of the block table."""
+        old, r.blocks = len(r.blocks), blocks
+        if len(blocks) < old:
+            self._table[r.slot, len(blocks) :] = 0
+        if len(blocks) > old:
+            self._table[r.slot, old : len(blocks)] = torch.tensor(blocks[old:], dtype=torch.int32)
+        self._table_dirty = True
+
+    def _drop_blocks(self, r: _Request) -> None:
+        self.kv_pool.release(r.blocks)
+        if r.slot >= 0:
+            self._assign(r, [])
+        r.blocks = []
+
+    def _preempt(self, r: _Request) -> None:
+        """Back to the waiting queue (by age, so the oldest is readmitted first) with its tokens so far, its blocks
+        freed; on readmission prompt + tokens are recomputed, the recompute path of a weight swap."""
+        self.stats.preemptions += 1
+        self._drop_blocks(r)
+        self.slots[r.slot], r.slot, r.needs_prefill, r.donor = None, -1, True, None
+        at = next((j for j, w in enumerate(self.waiting) if w.arrival > r.arrival), len(self.waiting))
+        self.waiting.insert(at, r)
+
+    def _sync_table(self) -> None:
+        if self._table_dirty:
+            if self._table is not self.block_table:
+                self.block_table.copy_(self._table)
+            self._table_dirty = False
+
+    @property
+    def k_cache(self) -> list[torch.Tensor]:
+        """Per layer, every slot's K as [slots, kv_heads, max_seq_len, D], gathered through the block tables: a copy,
+        for inspection (the storage is kv_pool.k; positions past a slot's length hold zeros or null-block rows)."""
+        return [self._dense(layer) for layer in self.kv_pool.k]
+
+    @property
+    def v_cache(self) -> list[torch.Tensor]:
+        """As k_cache, for V."""
+        return [self._dense(layer) for layer in self.kv_pool.v]
+
+    def _dense(self, layer: torch.Tensor) -> torch.Tensor:
+        self._sync_table()
+        blocks = layer[:, self.block_table.long()]  # [kv_heads, slots, max_blocks, block_size, D]
+        dense = blocks.transpose(0, 1).reshape(self.max_batch_size, self.n_kv_heads, -1, self.head_dim)
+        return dense[:, :, : self.max_seq_len]
+
+    def kv_live_tokens(self) -> int:
+        """K/V rows the running sequences hold (shared prompt rows counted once per sequence)."""
+        return sum(r.num_tokens - 1 for r in self.slots if r is not None and not r.needs_prefill)
 
     def _sample(self, logits: torch.Tensor, running: list[_Request]) -> tuple[list[int], list[float]]:
         if len(running) < logits.shape[0]:  # drop the rows of idle slots
@@ -1288,6 +1722,7 @@ class Generator:
         return tokens.tolist(), logprobs.tolist()
 
     def _release(self, req: _Request, reason: str) -> RequestOutput:
+        self._drop_blocks(req)
         if req.slot >= 0:
             self.slots[req.slot] = None
         del self.requests[req.request_id]
@@ -1346,10 +1781,11 @@ class Generator:
             return
         self.version = version
         self.stats.weight_updates += 1
-        if self.interrupt_mode == "recompute":
+        if self.interrupt_mode == "recompute":  # stale K/V: their blocks go back, the next step takes fresh ones
             for r in self.slots:
                 if r is not None:
                     r.needs_prefill = True
+                    self._drop_blocks(r)
                     self.stats.recompute_tokens += r.num_tokens - 1
 
     # ------------------------------------------------------------------ batch API

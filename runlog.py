@@ -30,6 +30,18 @@ def _finite_or_null(v):
     return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
+def peak_memory_bytes() -> int:
+    """This process's peak memory so far: on a GPU the CUDA allocator's peak on the current device, on CPU the
+    peak resident set (ru_maxrss, KiB on Linux)."""
+    import resource
+
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        return int(torch.cuda.max_memory_allocated())
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) * 1024
+
+
 def run_directory(cfg: Config) -> Path:
     name = cfg.logging.run_name or f"{cfg.config_name}-{time.strftime('%Y%m%d-%H%M%S')}"
     path = Path(cfg.logging.run_dir) / name

@@ -67,7 +67,7 @@ from parallel.rankmap import (
 )
 from parallel.trajectories import PackedGroup, TrajectoryInbox, batch_control, broadcast_batch, pack, receive_batch
 from parallel.weight_sync import bucket_meta, plan_version, send_version, weights_message
-from runlog import RunLog
+from runlog import RunLog, peak_memory_bytes
 from tasks import DataError, load_task
 
 
@@ -663,6 +663,10 @@ class RolloutPool:
         self.lost.append(rank)
         del self.outstanding[rank]
 
+    def maximum(self, key: str) -> float:
+        """A counter's largest value over the rollout ranks."""
+        return max((c.get(key, 0) for c in self.counters.values()), default=0)
+
     def total(self, key: str) -> float:
         """A counter summed over the rollout ranks (their latest reports, lost ranks included)."""
         return sum(c.get(key, 0) for c in self.counters.values())
@@ -822,6 +826,8 @@ class StepMetrics:
             "rollout_prefill_tokens": pool.total("prefill_tokens"),
             "rollout_throttle_s": pool.total("throttle_s"),  # sleeps of emulated device types (0 otherwise)
             "elapsed_s": now - self.t_start,
+            "train_peak_memory_bytes": peak_memory_bytes(),  # the train head's (the other train ranks' are alike)
+            "rollout_peak_memory_bytes": pool.maximum("peak_memory_bytes"),
             **{f"replica{i}_token_share": share for i, share in pool.token_shares().items()},
             **{f"replica{r.id}_planned_share": r.share for r in pool.replicas.values()},
         }

@@ -2,6 +2,7 @@
 
     HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py                       # all models, both workloads
     HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py --models rand-256x4 --requests 64   # quick
+    HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py --kv-memory --models tiny            # KV memory, ours only
 
 Workloads
   rl     RL-shaped: P prompts x 4 samples (256 requests by default), temperature 1.0, up to 256 new tokens,
@@ -15,6 +16,13 @@ Random-init models almost never emit EOS, so each request gets its own length li
 long-tailed law (lognormal, median 40, clipped to [4, 256]); we pass it as the request's
 max_new_tokens, and HF gets the same per-row limits through a StoppingCriteria that marks a row done
 at its limit (HF then pads that row until the whole batch is done -- exactly what it does after EOS).
+
+--kv-memory: no HF, no timing. Runs the workloads through our generator step by step and prints, every
+--kv-every steps, the live K/V rows (tokens whose K/V the running sequences hold), the KV-pool bytes held by
+them (whole blocks; a GRPO group's prompt blocks are held once), and the static cache this generator replaced
+(slots x max_seq_len tokens, all allocated up front). With --kv-cache-tokens the pool is that small (and
+--kv-seq-tokens sets the slots it serves): admission waits and the youngest requests are preempted; the
+tokens stay those of an unconstrained run (checked).
 
 Figures: useful tokens/s = generated tokens (EOS included, padding excluded) / wall seconds.
 Achieved GB/s = decode forward passes x weight bytes / seconds (the dominant HBM traffic of decode);
@@ -41,7 +49,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, St
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout import Generator, SamplingParams, gpu_options  # noqa: E402
+from rollout import Generator, KVPool, SamplingParams, gpu_options  # noqa: E402
 
 TINY_DIR = ROOT / "exp" / "tiny-model"
 RANDOM_CONFIGS = {  # random-init stand-ins when (or besides) the shipped tiny model
@@ -184,6 +192,66 @@ def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
     return useful, seconds, steps
 
 
+# ----------------------------------------------------------------------------- KV memory
+
+
+def kv_memory_run(model, name, workload, prompts, limits, temperature, stop, args) -> None:
+    """One workload through a paged generator, step by step: live K/V rows and pool bytes vs a static cache."""
+    max_seq_len = max(len(p) for p in prompts) + max(limits)
+    params = [
+        SamplingParams(temperature=temperature, max_new_tokens=n, stop_token_ids=stop, seed=i)
+        for i, n in enumerate(limits)
+    ]
+    ref = None
+    if args.kv_cache_tokens:  # the tokens an unconstrained pool gives, to check the small pool's against
+        ref = Generator(model, max_batch_size=args.slots, max_seq_len=max_seq_len).generate(prompts, params)
+    gen = Generator(
+        model,
+        max_batch_size=args.slots,
+        max_seq_len=max_seq_len,
+        kv_block_size=args.kv_block_size,
+        kv_cache_tokens=args.kv_cache_tokens,
+        kv_seq_tokens=args.kv_seq_tokens,
+    )
+    pool = gen.kv_pool
+    token_bytes = KVPool.token_bytes(pool.num_layers, pool.num_kv_heads, pool.head_dim, pool.dtype)
+    static = gen.max_batch_size * max_seq_len * token_bytes
+    print(
+        f"\n{name} {workload}: {len(prompts)} requests, {gen.max_batch_size} slots, max_seq_len {max_seq_len}, "
+        f"blocks of {pool.block_size} tokens ({pool.block_bytes / 2**10:.0f} KiB), pool {pool.num_blocks} blocks = "
+        f"{pool.num_blocks * pool.block_bytes / 2**20:.1f} MiB reserved; static cache {gen.max_batch_size} x "
+        f"{max_seq_len} tokens = {static / 2**20:.1f} MiB"
+    )
+    print("| step | running | waiting | live K/V tokens | live MiB | pool blocks held | pool MiB held | static MiB |")
+    print("|---|---|---|---|---|---|---|---|")
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        gen.add_request(i, p, sp)
+    outs, step, live_sum, held_sum, peak = {}, 0, 0, 0, (0, 0)
+    while gen.num_unfinished():
+        outs.update((o.request_id, o) for o in gen.step())
+        step += 1
+        live, held = gen.kv_live_tokens(), pool.num_used
+        live_sum, held_sum, peak = live_sum + live, held_sum + held, max(peak, (held, live))
+        if step % args.kv_every == 0 or not gen.num_unfinished():
+            running = sum(r is not None for r in gen.slots)
+            print(
+                f"| {step} | {running} | {len(gen.waiting)} | {live} | {live * token_bytes / 2**20:.2f} | {held} | "
+                f"{held * pool.block_bytes / 2**20:.2f} | {static / 2**20:.1f} |"
+            )
+    mean_held = held_sum / step * pool.block_bytes
+    print(
+        f"{name} {workload}: {step} steps; pool held at peak {peak[0] * pool.block_bytes / 2**20:.2f} MiB "
+        f"({100 * peak[0] * pool.block_bytes / static:.0f}% of the static cache), mean {mean_held / 2**20:.2f} MiB "
+        f"({100 * mean_held / static:.0f}%); mean live K/V {live_sum / step * token_bytes / 2**20:.2f} MiB; "
+        f"preemptions {gen.stats.preemptions}; prompt rows shared {gen.stats.prefill_tokens_shared}"
+    )
+    if ref is not None:
+        same = all(outs[i].token_ids == r.token_ids for i, r in enumerate(ref))
+        print(f"{name} {workload}: tokens equal to an unconstrained pool's: {same}")
+        if not same:
+            raise SystemExit("--kv-memory: the small pool changed the tokens")
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -235,6 +303,11 @@ def main() -> None:
         choices=["auto", "always", "never"],
         help="flash-attn's KV-cache decode kernel (untested); auto: on a GPU when installed",
     )
+    ap.add_argument("--kv-memory", action="store_true", help="KV-pool bytes vs live tokens per step (ours only)")
+    ap.add_argument("--kv-every", type=int, default=20, help="--kv-memory: print every this many steps")
+    ap.add_argument("--kv-block-size", type=int, default=16)
+    ap.add_argument("--kv-cache-tokens", type=int, default=0, help="--kv-memory: pool size (0: a static cache's)")
+    ap.add_argument("--kv-seq-tokens", type=int, default=0, help="expected K/V tokens per sequence, for the slots")
     args = ap.parse_args()
     unknown = set(args.workloads.split(",")) - {"rl", "rl-tail", "greedy"}
     if unknown:
@@ -278,6 +351,10 @@ def main() -> None:
             else:
                 prompts = make_prompts(name, args.greedy_requests, rng, vocab)
                 workloads.append((workload, prompts, [args.greedy_tokens] * len(prompts), 0.0, []))
+        if args.kv_memory:
+            for workload, prompts, limits, temperature, wl_stop in workloads:
+                kv_memory_run(model, name, workload, prompts, limits, temperature, wl_stop, args)
+            continue
         # one generator for all workloads, as a rollout rank keeps one; its first call compiles the decode step (GPU)
         gen = Generator(
             model,
@@ -317,6 +394,8 @@ def main() -> None:
                     flush=True,
                 )
 
+    if args.kv_memory:
+        return
     print(
         "\n| model | workload | engine | useful tokens | decode steps | s | tok/s | ratio | GB/s (% peak) "
         "| GFLOP/s (% peak) |"

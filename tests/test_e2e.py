@@ -27,6 +27,8 @@ REQUIRED = [
     "importance_weight_mean",
     "importance_weight_max",
     "entropy",
+    "train_peak_memory_bytes",
+    "rollout_peak_memory_bytes",
 ]
 
 
@@ -75,6 +77,7 @@ def test_train_runs_and_respects_staleness(tmp_path, tiny_model_dir, eta):
         missing = [k for k in REQUIRED if k not in m]
         assert not missing, missing
         assert m["staleness_max"] <= eta
+        assert m["train_peak_memory_bytes"] > 0 and m["rollout_peak_memory_bytes"] > 0, m
     evals = [m for m in metrics if "eval_accuracy" in m]
     assert [m["step"] for m in evals] == [0, 2, 4] and all(m["eval_n"] == 8 for m in evals)
     check_ledger(ledger, eta, steps, batch=2 * 4)

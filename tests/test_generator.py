@@ -1,5 +1,6 @@
 """Tests for rollout.Generator: exactness against HF, continuous batching, seeds, weight swaps, bad input."""
 
+import dataclasses
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -18,6 +19,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from emulation import Throttle
 from rollout import Generator, SamplingParams, counter_uniform, sample_tokens
 
 torch.set_num_threads(1)
@@ -546,3 +548,209 @@ def test_bad_input_raises_clear_errors():
 
     with pytest.raises(ValueError, match="gpt2"):
         Generator(GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=50)))
+
+
+# ----------------------------------------------------------------------------- the paged KV cache
+
+
+def pool_is_empty(gen) -> bool:
+    pool = gen.kv_pool
+    return (
+        pool.num_free == pool.num_blocks
+        and not any(pool.refs)
+        and sorted(pool.free) == list(range(1, pool.num_blocks + 1))
+        and not gen.block_table.any()
+    )
+
+
+@pytest.mark.parametrize("kind,compile_decode", [("llama", False), ("mistral", False), ("llama", True)])
+def test_a_tiny_pool_makes_admission_wait_and_preempts_with_the_same_outputs(kind, compile_decode):
+    """A pool of 10 blocks of 4 tokens for 4 slots whose sequences reach 20 tokens (5 blocks each): admission waits
+    for blocks, and a running sequence that needs a block preempts the youngest request, which is recomputed on
+    readmission. Tokens equal an unconstrained run's with the same seeds, log-probs a full forward's; GRPO groups
+    (3 samples per prompt) share prompt blocks through it all, and every block is back in the free list at the end.
+    The compiled (static-shape) decode step too: its block tables keep their full width throughout."""
+    model = make_model(kind, seed=30)
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)] + [[40, 41, 42, 43, 44, 45, 46]]
+    params = SamplingParams(temperature=1.0, max_new_tokens=14, seed=8)
+    ref = Generator(model, max_batch_size=4, max_seq_len=32).generate(prompts, params)
+    gen = Generator(
+        model,
+        max_batch_size=4,
+        max_seq_len=32,
+        kv_block_size=4,
+        kv_cache_tokens=40,
+        kv_seq_tokens=8,
+        compile_decode=compile_decode,
+    )
+    assert gen.max_batch_size == 4 and gen.kv_pool.num_blocks == 10
+    for i, p in enumerate(prompts):
+        gen.add_request(i, p, dataclasses.replace(params, seed=params.seed + i))
+    outs, admission_waited = {}, False
+    while gen.num_unfinished():
+        outs.update((o.request_id, o) for o in gen.step())
+        admission_waited |= bool(gen.waiting) and None in gen.slots
+        assert gen.kv_pool.num_used <= gen.kv_pool.num_blocks
+    assert admission_waited and gen.stats.preemptions > 0 and gen.stats.prefill_tokens_shared > 0
+    for i, prompt in enumerate(prompts):
+        assert outs[i].token_ids == ref[i].token_ids
+        assert max(abs(a - b) for a, b in zip(outs[i].logprobs, ref[i].logprobs)) < 1e-4
+        full = full_forward_logprobs(model, prompt, outs[i].token_ids)
+        assert max(abs(a - b) for a, b in zip(outs[i].logprobs, full)) < 1e-4
+    assert pool_is_empty(gen) and gen.kv_pool.peak_used == gen.kv_pool.num_blocks
+
+
+def test_every_block_returns_to_the_free_list():
+    """generate(), stop tokens, an abort of a running and of a waiting request, and a weight swap (recompute: stale
+    blocks go back, fresh ones are taken) all leave the pool as it started; K/V sharing is refcounted."""
+    model = make_model("qwen2", seed=31)
+    gen = Generator(model, max_batch_size=3, max_seq_len=32, kv_block_size=4, kv_cache_tokens=48, kv_seq_tokens=8)
+    outs = gen.generate([PROMPTS[0]] * 4 + PROMPTS[1:], SamplingParams(temperature=1.0, max_new_tokens=10, seed=2))
+    stop = outs[0].token_ids[2]
+    gen.generate(PROMPTS, SamplingParams(temperature=1.0, max_new_tokens=10, seed=2, stop_token_ids=[stop]))
+    assert pool_is_empty(gen) and gen.stats.prefill_tokens_shared > 0
+    for i, p in enumerate([PROMPTS[2]] * 3 + PROMPTS[3:]):
+        gen.add_request(i, p, SamplingParams(temperature=1.0, max_new_tokens=12, seed=i))
+    gen.step()
+    shared = [b for b in gen.slots[0].blocks if gen.kv_pool.refs[b] > 1]
+    assert shared and all(b in gen.slots[1].blocks for b in shared)  # one prompt block, three sequences
+    gen.step()
+    gen.abort(0)  # running
+    gen.abort(5)  # waiting
+    gen.update_weights(perturbed_state_dict(model, seed=3), version=1)
+    assert all(not r.blocks for r in gen.slots if r is not None)  # recompute mode: stale K/V given back at once
+    while gen.num_unfinished():
+        gen.step()
+    assert pool_is_empty(gen)
+
+
+@pytest.mark.parametrize("kind,compile_decode", [("llama", False), ("mistral", False), ("llama", True)])
+def test_decode_attention_reads_only_live_blocks(kind, compile_decode):
+    """Every free block is filled with NaN after each step: a gathered free block would turn the outputs into NaN
+    (masked or not: 0 * NaN), yet they equal a clean run's bit for bit. Eager decode gathers ceil(longest / block)
+    blocks per slot; the compiled step (static shapes) every entry of the block table, the unused ones the null
+    block, masked (Mistral's window of 5 masks inside the live blocks too)."""
+    model = make_model(kind, seed=32)
+    prompts = PROMPTS + [[40, 41, 42, 43, 44, 45, 46, 47, 48]]
+    limits = [3, 15, 6, 18, 9, 4, 12]
+    options = dict(max_batch_size=3, max_seq_len=40, kv_block_size=4, compile_decode=compile_decode)
+    clean, poisoned = Generator(model, **options), Generator(model, **options)
+    assert clean.block_size == 4 and clean.max_blocks == 10
+    results = []
+    for gen in (clean, poisoned):
+        for i, (p, n) in enumerate(zip(prompts, limits)):
+            gen.add_request(i, p, SamplingParams(temperature=1.0, max_new_tokens=n, seed=i))
+        outs, spans = {}, []
+        while gen.num_unfinished():
+            done = gen.step()
+            outs.update((o.request_id, o) for o in done)
+            decoded = [r.prompt_ids + r.token_ids for r in gen.slots if r is not None] + [
+                o.prompt_ids + o.token_ids for o in done
+            ]
+            longest = max(len(t) - 1 for t in decoded)  # the longest position read, plus one
+            assert gen.decode_span == (40 if compile_decode else -(-longest // 4) * 4)
+            spans.append(gen.decode_span)
+            if gen is poisoned:
+                free = torch.tensor(gen.kv_pool.free, dtype=torch.long)
+                for layer in gen.kv_pool.k + gen.kv_pool.v:
+                    layer.index_fill_(1, free, float("nan"))
+        results.append(([(outs[i].token_ids, outs[i].logprobs) for i in range(len(prompts))], spans))
+    assert results[0] == results[1]
+    assert compile_decode or min(results[0][1]) < max(results[0][1]) < 40  # the span follows the live lengths
+    for prompt, (tokens, logprobs) in zip(prompts, results[0][0]):
+        assert max(abs(a - b) for a, b in zip(logprobs, full_forward_logprobs(model, prompt, tokens))) < 1e-4
+
+
+def test_eval_and_rollout_generators_share_one_pool():
+    """The rollout rank's eval generator allocates from the rollout generator's pool (RolloutWorker.on_eval): each
+    sees the other's blocks. The eval run, stepped while rollout requests sit in the pool, takes their blocks (they
+    are preempted and recomputed later); both give the outputs of generators with a pool each."""
+    from types import SimpleNamespace
+
+    from rollout import RolloutWorker
+
+    model = make_model("llama", seed=33)
+    rollout_params = [SamplingParams(temperature=1.0, max_new_tokens=12, seed=i) for i in range(4)]
+    ref_rollout = Generator(model, max_batch_size=4, max_seq_len=32).generate(PROMPTS[:4], rollout_params)
+    eos = VOCAB - 1
+    ref_eval = Generator(model, max_batch_size=4, max_seq_len=32).generate(
+        PROMPTS, SamplingParams(temperature=0, max_new_tokens=10, stop_token_ids=[eos])
+    )
+
+    worker = RolloutWorker.__new__(RolloutWorker)  # just what on_eval reads: a follower's (it does not score)
+    worker.cfg = SimpleNamespace(rollout=SimpleNamespace(max_batch_size=4, max_seq_len=32, max_new_tokens=10))
+    worker.cfg.rollout.kv_seq_tokens = 8  # 32 tokens of pool: 4 slots
+    worker.model, worker.tok, worker.gpu_options = model, SimpleNamespace(eos_token_id=eos), {}
+    worker.weights_incomplete, worker.eval_gen, worker.scorer, worker.is_leader = False, None, None, False
+    worker.throttle = Throttle()
+    worker.encoded = {("test", i): p for i, p in enumerate(PROMPTS)}
+    worker.gen = Generator(
+        model, max_batch_size=4, max_seq_len=32, kv_block_size=4, kv_cache_tokens=32, kv_seq_tokens=8
+    )
+    pool = worker.gen.kv_pool
+    for i, p in enumerate(PROMPTS[:4]):
+        worker.gen.add_request(i, p, rollout_params[i])
+    rollout_outs = {}
+    for _ in range(3):
+        rollout_outs.update((o.request_id, o) for o in worker.gen.step())
+    held = pool.num_used
+    assert held > 0
+
+    eval_outs = {}
+    step = worker.step
+    worker.step = lambda gen: [eval_outs.setdefault(o.request_id, o) for o in step(gen)]
+    worker.on_eval({"version": 0, "prompt_ids": list(range(len(PROMPTS)))})
+    assert worker.eval_gen.kv_pool is pool and worker.eval_gen.block_size == 4
+    assert worker.gen.stats.preemptions > 0 and pool.peak_used == pool.num_blocks  # eval took rollout's blocks
+    assert [eval_outs[j].token_ids for j in range(len(PROMPTS))] == [o.token_ids for o in ref_eval]
+    assert pool.num_used < held  # eval's blocks are back; the preempted rollout requests wait for theirs
+
+    worker.eval_gen.add_request("e", PROMPTS[0], SamplingParams(temperature=0, max_new_tokens=4))
+    worker.eval_gen.step()  # one generator's allocation is the other's view of the pool
+    assert worker.gen.kv_pool.num_used == pool.num_used > 0
+    worker.eval_gen.abort("e")
+    while worker.gen.num_unfinished():
+        rollout_outs.update((o.request_id, o) for o in worker.gen.step())
+    for i in range(4):
+        assert rollout_outs[i].token_ids == ref_rollout[i].token_ids
+        assert max(abs(a - b) for a, b in zip(rollout_outs[i].logprobs, ref_rollout[i].logprobs)) < 1e-4
+    assert pool_is_empty(worker.gen) and pool_is_empty(worker.eval_gen)
+
+
+def test_pool_size_and_slot_count_come_from_the_config(monkeypatch):
+    import rollout
+    from config import ConfigError, RolloutConfig
+    from rollout import KVPool, kv_options
+
+    model = make_model("llama", seed=34)
+    default = Generator(model, max_batch_size=3, max_seq_len=30)  # a static cache's size, blocks of 16
+    assert default.max_batch_size == 3 and default.kv_pool.num_blocks == 3 * 2 and default.block_size == 16
+    assert tuple(default.k_cache[0].shape) == (3, COMMON["num_key_value_heads"], 30, 16)
+    sized = Generator(model, max_batch_size=8, max_seq_len=32, kv_block_size=8, kv_cache_tokens=100, kv_seq_tokens=16)
+    assert sized.kv_pool.num_blocks == 13 and sized.max_batch_size == 104 // 16  # slots from memory, capped at 8
+    token_bytes = KVPool.token_bytes(2, COMMON["num_key_value_heads"], 16, torch.float32)
+    monkeypatch.setattr(rollout, "available_memory", lambda device: 1000 * token_bytes)
+    frac = Generator(model, max_batch_size=64, max_seq_len=32, kv_cache_fraction=0.5, kv_block_size=10)
+    assert frac.kv_pool.num_blocks == 50 and frac.max_batch_size == 500 // 32
+    assert frac.kv_pool.block_bytes == 10 * token_bytes
+    with pytest.raises(ValueError, match="raise kv_cache_tokens or kv_cache_fraction"):
+        Generator(model, max_seq_len=32, kv_cache_tokens=16)  # one block of 16: a sequence needs two
+    with pytest.raises(ValueError, match="kv_pool holds"):
+        Generator(make_model("llama").to(torch.bfloat16), max_seq_len=32, kv_pool=sized.kv_pool)
+    with pytest.raises(ValueError, match="kv_pool is given"):
+        Generator(model, max_seq_len=32, kv_pool=sized.kv_pool, kv_cache_tokens=64)
+    with pytest.raises(ValueError, match="kv_cache_fraction"):
+        Generator(model, max_seq_len=32, kv_cache_fraction=1.0)
+
+    ok = RolloutConfig(max_seq_len=64)
+    assert kv_options(ok) == dict(kv_block_size=16, kv_cache_tokens=0, kv_cache_fraction=0.0, kv_seq_tokens=0)
+    for bad, key in [
+        (dict(kv_cache_fraction=1.0), "rollout.kv_cache_fraction"),
+        (dict(kv_cache_fraction=-0.1), "rollout.kv_cache_fraction"),
+        (dict(kv_cache_tokens=-1), "rollout.kv_cache_tokens"),
+        (dict(kv_cache_tokens=63), "rollout.kv_cache_tokens"),
+        (dict(kv_block_size=0), "rollout.kv_block_size"),
+        (dict(kv_seq_tokens=65), "rollout.kv_seq_tokens"),
+    ]:
+        with pytest.raises(ConfigError, match=key):
+            kv_options(dataclasses.replace(ok, **bad))

@@ -32,6 +32,7 @@ from test_generator import (  # noqa: E402
 )
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
+import rollout  # noqa: E402
 from parallel.tensor_parallel import check_model_supports_tp, check_tp_divides  # noqa: E402
 from rollout import Generator, SamplingParams, gpu_options  # noqa: E402
 
@@ -117,6 +118,28 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
                 Generator(model, max_batch_size=3, max_seq_len=40, tp_group=group), new_weights
             )
 
+        # the paged KV cache: a tiny pool makes both ranks wait and preempt alike (same calls, same decisions); a
+        # pool sized from memory takes the smallest rank's size (here rank 0 has half of rank 1's memory)
+        model = build("llama", seed=1)
+        tiny = Generator(
+            model,
+            max_batch_size=3,
+            max_seq_len=40,
+            kv_block_size=4,
+            kv_cache_tokens=40,
+            kv_seq_tokens=8,
+            tp_group=group,
+        )
+        res["tiny_pool"] = as_lists(tiny.generate(PROMPTS, dataclasses.replace(GREEDY, max_new_tokens=16)))
+        res["tiny_pool_preemptions"] = tiny.stats.preemptions
+        available, rollout.available_memory = rollout.available_memory, lambda device: (1 + rank) * 2**20
+        try:
+            res["fraction_blocks"] = Generator(
+                model, max_seq_len=40, kv_cache_fraction=0.5, tp_group=group
+            ).kv_pool.num_blocks
+        finally:
+            rollout.available_memory = available
+
         # bad input: each refused before any collective, on every rank alike
         one_kv = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_key_value_heads": 1})).eval()
         res["error_kv_heads"] = error_of(lambda: Generator(one_kv, max_seq_len=16, tp_group=group))
@@ -198,6 +221,18 @@ def test_tp2_ranks_produce_identical_outputs(ranks):
     for kind in KINDS:
         for case in ("greedy", "eval", "swap"):
             assert ranks[0][kind, case] == ranks[1][kind, case], (kind, case)
+
+
+def test_tp2_paged_kv_cache_keeps_the_ranks_in_lockstep(ranks):
+    """A pool of 10 blocks of 4 tokens for 3 slots (sequences of 22 tokens need 6): both ranks preempt the same
+    requests and give HF's greedy tokens; a pool sized by kv_cache_fraction is the smaller rank's on both."""
+    model = build("llama", seed=1)
+    assert ranks[0]["tiny_pool"] == ranks[1]["tiny_pool"] and ranks[0]["tiny_pool_preemptions"] > 0
+    for prompt, (tokens, logprobs, versions, reason) in zip(PROMPTS, ranks[0]["tiny_pool"]):
+        assert tokens == hf_greedy(model, prompt, 16) and reason == "length" and versions == [0] * 16
+        assert max(abs(a - b) for a, b in zip(full_forward_logprobs(model, prompt, tokens), logprobs)) < 1e-4
+    block_bytes = 16 * 2 * COMMON["num_hidden_layers"] * (COMMON["num_key_value_heads"] // TP) * 16 * 4
+    assert ranks[0]["fraction_blocks"] == ranks[1]["fraction_blocks"] == 2**19 // block_bytes  # rank 0's half MiB
 
 
 # ----------------------------------------------------------------------------- bad input, options
