@@ -44,6 +44,7 @@ def base_args(model_dir: Path, run_dir: Path, eta: int, extra=()) -> list[str]:
         "checkpoint.keep=2",
         "resume=auto",
         "dist.timeout_s=90",
+        "train.shard_state=true",  # the 2 train ranks shard their state with FSDP (the CPU demo config does not)
         *extra,
     ]
 
