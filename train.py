@@ -276,7 +276,11 @@ class TrainHead:
         if src in self.pool.lost:  # a dropped rank woke up: its work was re-queued already
             return
         if kind == "result":  # packed, on its way: post the receive, wait for it once delivered (no deadline)
-            self.inbox.expect(src, msg["group_id"], msg["nbytes"])
+            try:
+                self.inbox.expect(src, msg["group_id"], msg["nbytes"])
+            except RuntimeError as e:  # it died after announcing the group: its connection is closed already
+                self.drop_rollout_rank(src, f"closed its connection ({str(e).splitlines()[0][:100]})")
+                return
             self.channel.send(src, "fetch", group_id=msg["group_id"])
         elif kind == "delivered":
             group = self.inbox.take(src, msg["group_id"])
