@@ -458,25 +458,102 @@ def decode_round_s(
     return worst + pp_comm
 
 
-def replica_memory_batch(model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, mem_frac: float) -> int:
-    """Most concurrent sequences whose KV cache fits next to the weights on every GPU of the replica."""
+# Rollout memory: what a rollout rank allocates (rollout.Generator; checked against exp/estimate_memory.py, which
+# runs it on fake tensors). Per GPU of a TP-tp replica, in the rollout dtype (wl.bytes):
+#   weights  the model's weights / tp (before slicing, a TP rank holds the whole model once: the larger counts)
+#   kv       the KV pool: 2 * kv_heads / tp * head_dim * bytes per token and layer
+#   then the larger of
+#   decode   one Generator.step(): a prefill chunk of PREFILL_CHUNK_TOKENS rows (at most the pool's) through a layer,
+#            about (DECODE_H_BYTES * hidden + DECODE_I_BYTES * intermediate / tp) bytes per row at 2-byte compute (fitted
+#            to the runtime at 7B with tp 1 and 2), plus the fp32 logits of the batch (LOGIT_COPIES_DECODE of them)
+#   sync     the weight-sync buckets a replica leader holds at once (SYNC_BUCKETS_ALIVE: the one arriving and the
+#            one forwarded to its machine-mates; a TP leader also flattens one for its followers)
+PREFILL_CHUNK_TOKENS = 16384  # rollout.Generator's max_prefill_tokens
+DECODE_H_BYTES, DECODE_I_BYTES = 15.3, 4.32
+LOGIT_COPIES_DECODE = 3
+SYNC_BUCKETS_ALIVE = 2
+
+
+def sync_buffer_bytes(model: ModelSpec, tp: int, bucket_bytes: float, nbytes: int) -> float:
+    """Weight-sync buffers alive on a rollout replica leader: SYNC_BUCKETS_ALIVE buckets (+1 under TP), each the
+    bucket size or the largest tensor, which travels alone (cost_model.sync_buckets)."""
+    largest = max(n for _, n in hf_param_table(model)) * nbytes
+    return (SYNC_BUCKETS_ALIVE + (1 if tp > 1 else 0)) * (max(bucket_bytes, largest) + SYNC_CHECKSUM_BYTES)
+
+
+def replica_memory_parts(
+    model: ModelSpec,
+    tp: int,
+    kv_tokens: float,
+    slots: int,
+    wl: Workload,
+    bucket_bytes: float = 64 * 2**20,
+    pp: int = 1,
+    stage: int = 0,
+) -> dict[str, float]:
+    """Peak bytes per GPU of one rollout rank by kind (the estimator's keys) for a KV pool of `kv_tokens` tokens
+    shared by `slots` sequences; `peak_bytes` is their total. `stage` of `pp` (a pipelined replica's stage holds its
+    layers; the runtime builds pp 1 only)."""
     nbytes = wl.bytes
-    kv_seq_layer = model.kv_bytes_per_token_layer(nbytes, tp) * wl.decode_context * 1.1  # 10% paging slack
-    best = None
-    for k, lk in enumerate(layer_counts(model.layers, pp)):
-        weights = (lk * model.layer_params + (model.head_params if k in (0, pp - 1) else 0)) * nbytes / tp
-        workspace = 0.5e9 + 0.02 * gpu.hbm_gb * 1e9  # activations, CUDA graphs, allocator fragmentation
-        free = gpu.hbm_gb * 1e9 * mem_frac - weights - workspace
-        fit = int(free // (kv_seq_layer * lk)) if free > 0 else 0
-        best = fit if best is None else min(best, fit)
-    return max(best or 0, 0)
+    lk = layer_counts(model.layers, pp)[stage]
+    head = model.head_params if stage == pp - 1 else 0
+    embed = model.vocab * model.hidden if stage == 0 and not (model.tied and stage == pp - 1) else 0
+    weights = (lk * model.layer_params + head + embed) * nbytes / tp
+    kv = kv_tokens * model.kv_bytes_per_token_layer(nbytes, tp) * lk
+    rows = min(PREFILL_CHUNK_TOKENS, kv_tokens)  # a step prefills at most one chunk, at most what the pool holds
+    decode = rows * (DECODE_H_BYTES * model.hidden + DECODE_I_BYTES * model.intermediate / tp)
+    decode *= nbytes / 2
+    logits = LOGIT_COPIES_DECODE * 4 * slots * model.vocab if stage == pp - 1 else 0.0
+    sync = sync_buffer_bytes(model, tp, bucket_bytes, nbytes)
+    step = max(decode + logits, sync)
+    parts = {
+        "weights": weights,
+        "kv": kv,
+        "activations": decode if step > sync else 0.0,
+        "logits": logits if step > sync else 0.0,
+        "sync_buffers": sync if step == sync else 0.0,
+    }
+    parts["peak_bytes"] = max(weights + kv + step, weights * tp if tp > 1 else 0.0)  # loading: the whole model
+    return parts
+
+
+def replica_memory_batch(
+    model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, mem_frac: float, bucket_bytes: float = 64 * 2**20
+) -> int:
+    """Most concurrent sequences that fit on every GPU of the replica within mem_frac of its HBM, by
+    replica_memory_parts with a paged pool holding each sequence's mean context (+10% for partly filled blocks)."""
+    budget = gpu.hbm_gb * 1e9 * mem_frac
+    per_seq = wl.decode_context * 1.1
+
+    def fits(batch: int) -> bool:
+        return all(
+            replica_memory_parts(model, tp, batch * per_seq, batch, wl, bucket_bytes, pp, k)["peak_bytes"] <= budget
+            for k in range(pp)
+        )
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while fits(hi):
+        lo, hi = hi, hi * 2
+    while hi - lo > 1:  # fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def replica_cost(
-    model: ModelSpec, gpu: GPUType, tp: int, pp: int, wl: Workload, eff: Efficiency, pp_gbps: float
+    model: ModelSpec,
+    gpu: GPUType,
+    tp: int,
+    pp: int,
+    wl: Workload,
+    eff: Efficiency,
+    pp_gbps: float,
+    bucket_bytes: float = 64 * 2**20,
 ) -> ReplicaCost | None:
     """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit."""
-    batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac), wl.max_batch)
+    batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac, bucket_bytes), wl.max_batch)
     if batch < 1:
         return None
     te = eff.of(gpu.name)
@@ -513,19 +590,87 @@ class StageSpec:
     next_gbps: float  # link to the next stage (0 for the last)
 
 
-def train_memory_bytes(
-    model: ModelSpec, stage_layers: int, last: bool, first: bool, dp: int, tp: int, pp_rank: int, pp: int, wl: Workload
-) -> float:
-    """Per-GPU training memory: bf16 weights (2 B/param) + fp32 grads (4) + Adam master/m/v (12, sharded
-    over dp as in a distributed optimizer), activations with full recompute (layer inputs of the micro-batches
-    in flight under 1F1B, plus one layer's working set ~34*mb*H bytes), and fp32 logits on the last stage."""
-    params = stage_layers * model.layer_params + (model.head_params if last or (first and not model.tied) else 0)
-    states = params / tp * (2 + 4 + 12 / dp)
-    mb = wl.microbatch_tokens
-    in_flight = max(1, pp - pp_rank)
-    acts = (in_flight * stage_layers * mb * model.hidden * 2 + 34 * mb * model.hidden) / tp
-    logits = mb * model.vocab * 4 * 2 / tp if last else 0.0
-    return states + acts + logits
+# Training memory: what a train rank allocates (parallel/trainer.py under FSDP2, activation checkpointing, chunked
+# log-probs and 1F1B; checked against exp/estimate_memory.py, which runs it on fake tensors). Per GPU of stage k
+# (l_k layers) with T = microbatch_tokens tokens per micro-batch, in elements of this rank's TP shard of the stage:
+#   shard      stage params / tp / dp (fully_shard over DP when dp > 1, else the whole TP shard)
+#   weights    4 B * shard (fp32 master) + 2 B * the stage's embedding / LM head (FSDP keeps their bf16 copies for
+#              the step) + 2 B * the decoder layer running (FSDP's unsharded copy, or autocast's)
+#   grads      4 B * shard;  optimizer  8 B * shard (AdamW's two fp32 moments)
+#   inputs     per micro-batch in flight under 1F1B (pp - k of them, as soon as a minibatch has that many): the
+#              checkpointed layer inputs, l_k * T * H * r B (r the residual stream's bytes: 2 under FSDP, whose bf16
+#              parameters and input casts make it bf16, 4 with fp32 parameters), the fp32 activation received from
+#              the previous stage (under FSDP the first layer keeps a bf16 copy of it besides) and the fp32 output
+#              sent to the next one (T * H * 4 B each)
+#   and the largest of three moments:
+#   a layer's backward  its recomputed forward and its gradients, T * (LAYER_H_BYTES * H + LAYER_I_BYTES * I / tp),
+#              FSDP's flat all-gather (bf16) and reduce-scatter (fp32) buffers of the layer (6 B per element), and
+#              off the first stage the fp32 gradient of the received activation
+#   the LM head's backward (last stage)  LOGIT_BYTES * T * V / tp (bf16 logits, the gradient slices of the chunked
+#              log-probs and their sum) and T * H * (HEAD_H_BYTES, +4 off the first stage); without FSDP, autocast's
+#              bf16 copy of the head's weight (saved for backward)
+#   the global grad norm  GRAD_NORM_BYTES per element of the largest gradient (its fp64 copy and square), after the
+#              backward: the activations are gone by then
+# The per-token constants are fitted to the runtime's first stages at 1.5B (tp 1), 7B and 14B (tp 2, FSDP); every
+# rank of the 15 plans in exp/PLANNER.md agrees with exp/estimate_memory.py within a few % (a test checks one small case).
+LAYER_H_BYTES, LAYER_I_BYTES = 25.5, 12.3
+LOGIT_BYTES = 8.0
+HEAD_H_BYTES = 8.5
+GRAD_NORM_BYTES = 16.0
+
+
+def train_memory_parts(
+    model: ModelSpec,
+    stage_layers: int,
+    last: bool,
+    first: bool,
+    dp: int,
+    tp: int,
+    pp_rank: int,
+    pp: int,
+    wl: Workload,
+    shard_state: bool = True,
+) -> dict[str, float]:
+    """Peak bytes per GPU of one train rank by kind (the estimator's keys); `peak_bytes` is their total."""
+    T, H = wl.microbatch_tokens, model.hidden
+    layer = model.layer_params / tp
+    embed = model.vocab * H if first else 0
+    head = model.head_params + H if last and not (first and model.tied) else (H if last else 0)
+    root = (embed + head) / tp
+    fsdp = shard_state and dp > 1
+    shard = (stage_layers * layer + root) / (dp if fsdp else 1)
+    residual = wl.bytes if fsdp else 4
+    in_flight = pp - pp_rank  # 1F1B's most; a step whose minibatches hold fewer micro-batches per DP rank has fewer
+    # per micro-batch in flight: the checkpointed layer inputs, the fp32 activation received from the previous stage
+    # (FSDP casts it to bf16 for the first layer, which keeps the copy; without FSDP it is the first layer's input)
+    # and the fp32 output sent to the next one
+    kept = stage_layers * residual + (4 if not first and fsdp else 0) + (0 if last else 4)
+    inputs = in_flight * T * H * kept
+    exchanged = 0 if first else T * H * 4  # the gradient of the received activation
+    layer_moment = (
+        inputs
+        + exchanged
+        + T * (LAYER_H_BYTES * H + LAYER_I_BYTES * model.intermediate / tp)
+        + (6 * layer if fsdp else 0)
+    )
+    logits = LOGIT_BYTES * T * model.vocab / tp
+    head_moment = 0.0
+    if last:  # without FSDP's bf16 parameters, autocast's bf16 copy of the LM head weight is saved for backward
+        head_moment = inputs + T * H * (HEAD_H_BYTES + (0 if first else 4)) + logits
+        head_moment += 0 if fsdp else 2 * model.head_params / tp
+    # the global grad norm squares each gradient in fp64 (a copy and its square): 16 B per element of the largest
+    largest = max(model.vocab * H if first or last else 0, H * model.intermediate) / tp / (dp if fsdp else 1)
+    norm_moment = GRAD_NORM_BYTES * largest
+    moment = max(("layer", layer_moment + 2 * layer), ("head", head_moment), ("norm", norm_moment), key=lambda x: x[1])
+    parts = {
+        "weights": 4 * shard + (2 * root if fsdp else 0) + (2 * layer if moment[0] == "layer" else 0),
+        "grads": 4 * shard,
+        "optimizer": 8 * shard,
+        "activations": {"layer": layer_moment, "head": head_moment - logits, "norm": norm_moment}[moment[0]],
+        "logits": logits if moment[0] == "head" else 0.0,
+    }
+    parts["peak_bytes"] = sum(parts.values())
+    return parts
 
 
 def train_step_seconds(

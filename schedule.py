@@ -200,9 +200,9 @@ class Planner:
         return best
 
     def tp_ok(self, tp: int) -> bool:
-        """TP must split the attention heads evenly and either split or replicate the KV heads evenly."""
-        kv = self.model.kv_heads
-        return self.model.heads % tp == 0 and (kv % tp == 0 or tp % kv == 0)
+        """TP must split the attention heads and the KV heads evenly: the runtime shards both and never replicates KV
+        heads (parallel/tensor_parallel.py refuses a tp above num_key_value_heads)."""
+        return self.model.heads % tp == 0 and self.model.kv_heads % tp == 0
 
     def _layout(
         self, per_type: dict[str, list[int]], order: tuple[str, ...], dp: int, tp: int, pp: int
@@ -250,8 +250,8 @@ class Planner:
             layers[min(range(pp), key=lambda i: layers[i] - ideal[i])] += 1
 
         def mem_ok(k: int, lk: int) -> bool:
-            need = cm.train_memory_bytes(mdl, lk, k == pp - 1, k == 0, dp, tp, k, pp, self.wl)
-            return need <= self.cluster.gpu(types[k]).hbm_gb * 1e9 * self.eff.mem_frac
+            need, budget = self.stage_memory(types, k, lk, dp, tp, pp)
+            return need <= budget
 
         def time_of(k: int, lk: int) -> float:
             return (lk * f_layer + head[k]) / speed[k]
@@ -283,6 +283,81 @@ class Planner:
             layers[min(cands, key=lambda j: time_of(j, layers[j] + 1))] += 1
         return layers
 
+    # ------------------------------------------------------------------ memory: the runtime's numbers
+    def memory_budget(self, gpu_type: str) -> float:
+        """Bytes a rank may allocate: mem_frac of its HBM (the rest is headroom for what no tensor accounts for:
+        CUDA context, NCCL buffers, allocator fragmentation)."""
+        return self.cluster.gpu(gpu_type).hbm_gb * 1e9 * self.eff.mem_frac
+
+    def stage_memory(self, types: list[str], k: int, lk: int, dp: int, tp: int, pp: int) -> tuple[float, float]:
+        """(bytes a GPU of stage k needs, bytes it may use): cost_model.train_memory_parts' total, the trainer's peak as
+        exp/estimate_memory.py measures it on the runtime's own code."""
+        need = cm.train_memory_parts(self.model, lk, k == pp - 1, k == 0, dp, tp, k, pp, self.wl)["peak_bytes"]
+        return need, self.memory_budget(types[k])
+
+    def _closest_fit(self, layouts: list[tuple[list[str], int, int, int]]) -> tuple | None:
+        """Among (stage types, dp, tp, pp) layouts, the one whose worst stage overshoots its budget least, its layers
+        spread to even out the overshoot: (ratio, layout, layers, worst stage)."""
+        best = None
+        L = self.model.layers
+        for types, dp, tp, pp in layouts:
+            if pp > L:
+                continue
+            layers = cm.layer_counts(L, pp)
+
+            def ratio(k: int, lk: int, types=types, dp=dp, tp=tp, pp=pp) -> float:
+                need, budget = self.stage_memory(types, k, lk, dp, tp, pp)
+                return need / budget
+
+            for _ in range(L * pp):  # move a layer from the most to the least loaded stage while that helps
+                worst = max(range(pp), key=lambda k: ratio(k, layers[k]))
+                light = min(range(pp), key=lambda k: ratio(k, layers[k] + 1))
+                if layers[worst] <= 1 or ratio(light, layers[light] + 1) >= ratio(worst, layers[worst]):
+                    break
+                layers[worst] -= 1
+                layers[light] += 1
+            worst = max(range(pp), key=lambda k: ratio(k, layers[k]))
+            cand = (ratio(worst, layers[worst]), (types, dp, tp, pp), layers, worst)
+            best = cand if best is None or cand[0] < best[0] else best
+        return best
+
+    def memory_error(self, what: str, layouts: list[tuple[list[str], int, int, int]]) -> str | None:
+        """One line naming the rank that does not fit and its bytes, for the closest of `layouts` (None if one fits
+        or there is none)."""
+        best = self._closest_fit(layouts)
+        if best is None or best[0] <= 1.0:
+            return None
+        _, (types, dp, tp, pp), layers, k = best
+        parts = cm.train_memory_parts(self.model, layers[k], k == pp - 1, k == 0, dp, tp, k, pp, self.wl)
+        start = sum(layers[:k])
+        kinds = ", ".join(
+            f"{name} {parts[name] / 1e9:.1f}" for name in ("weights", "grads", "optimizer", "activations", "logits")
+        )
+        gpu = self.cluster.gpu(types[k])
+        first = k * dp * tp  # train ranks are stage-major, and in a plan the trainers come first
+        return (
+            f"memory: {what}: train layout dp {dp} x tp {tp} x pp {pp} does not fit even with layers spread by memory "
+            f"({'+'.join(map(str, layers))}): rank {first} (stage {k}: layers {start}-{start + layers[k] - 1} on "
+            f"{types[k]}, dp 0, tp 0; every rank of the stage alike) needs {parts['peak_bytes'] / 1e9:.1f} GB ({kinds}) > "
+            f"{self.memory_budget(types[k]) / 1e9:.1f} GB ({self.eff.mem_frac:g} x {gpu.hbm_gb:g} GB HBM)"
+        )
+
+    def rollout_memory_error(self) -> str:
+        """Why no rollout replica fits, naming the smallest replica's bytes against its budget."""
+        lines = []
+        for t in self.types:
+            max_tp = max(m.gpus for m in self.cluster.machines if m.gpu_type == t)
+            tps = [self.rollout_tp] if self.rollout_tp else powers_of_two(max_tp)
+            tps = [tp for tp in tps if tp <= max_tp and not rollout_tp_problems(self.model, tp)] or [1]
+            tp = max(tps)
+            parts = cm.replica_memory_parts(self.model, tp, 0.0, 0, self.wl, self.weight_bucket_mb * 2**20)
+            lines.append(
+                f"a TP-{tp} replica on {t} needs {parts['peak_bytes'] / 1e9:.1f} GB per GPU before any KV cache "
+                f"(the whole model while it loads, {parts['weights'] / 1e9:.1f} GB of weights once sliced) > "
+                f"{self.memory_budget(t) / 1e9:.1f} GB"
+            )
+        return "; ".join(lines)
+
     # ------------------------------------------------------------------ Phase 1b: rollout plan
     def replica_configs(self, gpu_type: str) -> list[ReplicaConfig]:
         """Psi for one GPU type: TP inside one machine (powers of two, or exactly --rollout-tp), PP = 1. The
@@ -296,7 +371,8 @@ class Planner:
             for tp in tps:
                 if tp > max_tp or rollout_tp_problems(self.model, tp):
                     continue
-                cost = cm.replica_cost(self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps)
+                bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
+                cost = cm.replica_cost(self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket)
                 if cost:
                     out.append(ReplicaConfig(gpu_type, tp, 1, cost))
             self._configs_cache[gpu_type] = out
@@ -713,9 +789,35 @@ class Planner:
                 break
         return best
 
+    def _layouts_on(self, n_type: dict[str, int], forced: tuple[int, int, int] | None) -> list:
+        """(stage types, dp, tp, pp) the trainer could take on these GPU counts (one type per stage, every order)."""
+        out = []
+        total = sum(n_type.values())
+        g = math.gcd(*n_type.values()) if n_type else 0
+        for group in (d for d in range(1, g + 1) if g % d == 0):
+            pp = total // group
+            for tp in (t for t in range(1, group + 1) if group % t == 0 and self.tp_ok(t)):
+                if forced and (group // tp, tp, pp) != forced:
+                    continue
+                for order in itertools.permutations(sorted(n_type)):
+                    types = [t for t in order for _ in range(n_type[t] // group)]
+                    out.append((types, group // tp, tp, pp))
+        return out
+
     def _explain_infeasible(self) -> None:
         m = self.model
+        n_all = {t: sum(x.gpus for x in self.cluster.machines if x.gpu_type == t) for t in self.types}
         if self.forced_layout:
+            need = math.prod(self.forced_layout)
+            layouts = [
+                layout
+                for combo in itertools.product(*[range(n + 1) for n in n_all.values()])
+                if sum(combo) == need and sum(combo) < self.cluster.n_gpus
+                for layout in self._layouts_on({t: c for t, c in zip(n_all, combo) if c}, self.forced_layout)
+            ]
+            error = self.memory_error(f"--train-layout {','.join(map(str, self.forced_layout))}", layouts)
+            if error:
+                raise PlanError(error)
             raise PlanError(
                 f"--train-layout {','.join(map(str, self.forced_layout))} leaves no valid plan (needs "
                 f"dp*tp*pp trainer GPUs of one type per stage, tp dividing {m.heads} heads, memory, and "
@@ -725,16 +827,23 @@ class Planner:
         for t in self.types:
             if self.replica_configs(t):
                 fits_roll = True
-            ev = self.evaluate(self.arrange({t: sum(x.gpus for x in self.cluster.machines if x.gpu_type == t)}))
+            ev = self.evaluate(self.arrange({t: n_all[t]}))
             fits_train |= ev.train is not None
         if not fits_roll:
             raise PlanError(
                 f"memory: model {m.name} ({m.params / 1e9:.2f}B params) fits no rollout replica "
                 f"({'TP ' + str(self.rollout_tp) if self.rollout_tp else 'TP'} inside one machine, PP 1) "
-                f"on GPU types {self.types}"
+                f"on GPU types {self.types}: {self.rollout_memory_error()}"
             )
         if not fits_train:
-            raise PlanError(f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster")
+            spare = 0 if len(self.types) > 1 else 1  # one GPU is left to rollout
+            layouts = [
+                x for t in self.types for c in range(1, n_all[t] + 1 - spare) for x in self._layouts_on({t: c}, None)
+            ]
+            error = self.memory_error(f"model {m.name} on this cluster", layouts)
+            raise PlanError(
+                error or f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster"
+            )
         forced = (
             f" (--rollout-tp {self.rollout_tp}: every rollout replica takes {self.rollout_tp} GPUs of one machine)"
             if self.rollout_tp

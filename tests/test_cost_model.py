@@ -140,7 +140,11 @@ def test_replica_memory_limits_batch_and_feasibility():
     m14 = cm.load_model_spec("deepseek-r1-distill-qwen-14b")
     small = cm.GPUType("S", 24, 100, 1.0, 1.0, 50)
     assert cm.replica_cost(m14, small, 1, 1, wl, eff, 5.0) is None  # 29.5 GB of weights > 24 GB
-    assert cm.replica_cost(m14, small, 2, 1, wl, eff, 5.0) is not None  # halves fit
+    # a TP rank holds the whole model once while loading it (train.py's load_policy), then slices it: no help here
+    assert cm.replica_cost(m14, small, 2, 1, wl, eff, 5.0) is None
+    medium = cm.GPUType("M", 40, 100, 1.0, 1.0, 50)  # the whole model loads; its halves leave room for KV
+    assert cm.replica_cost(m14, medium, 2, 1, wl, eff, 5.0) is not None
+    assert cm.replica_memory_batch(m14, medium, 2, 1, wl, 0.9) > 5 * cm.replica_memory_batch(m14, medium, 1, 1, wl, 0.9)
     b80 = cm.replica_memory_batch(m14, H800, 1, 1, wl, 0.9)
     b96 = cm.replica_memory_batch(m14, H20, 1, 1, wl, 0.9)
     assert 0 < b80 < b96

@@ -287,6 +287,47 @@ def test_cli_errors_are_one_line(args, needle):
     assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], res.stderr
 
 
+GPU_WL = cm.Workload.from_quantiles(  # the GPU recipes' 14B workload (exp/gpu_single_node.sh)
+    1500, {0.5: 1000, 0.9: 3500, 0.99: 7000}, prompts_per_step=64, samples_per_prompt=16, prompt_len=200,
+    max_batch=32, ppo_minibatches=4, microbatch_tokens=16384,
+)  # fmt: skip
+
+
+def test_a_forced_layout_that_does_not_fit_names_the_rank_and_its_bytes():
+    cluster = cm.load_cluster(ROOT / "exp/clusters/h800_24.yaml")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-14b")
+    with pytest.raises(PlanError) as err:
+        sc.plan(cluster, model, GPU_WL, train_layout=(1, 1, 2))
+    msg = str(err.value)
+    assert msg.startswith("memory: --train-layout 1,1,2: ") and "\n" not in msg
+    assert "rank 0 (stage 0: layers 0-" in msg and "> 72.0 GB (0.9 x 80 GB HBM)" in msg, msg
+    need = float(msg.split(" needs ")[1].split(" GB")[0])
+    # the bytes are cost_model's for that stage: 14B over 2 stages cannot hold 16 bytes per parameter in 72 GB
+    assert need * 1e9 > 16 * model.params / 2 > 72e9
+    res = run_cli("--cluster", "exp/clusters/h800_24.yaml", "--model", "deepseek-r1-distill-qwen-14b", "--train-layout",
+                  "1,1,2", "--microbatch-tokens", "16384")  # fmt: skip
+    assert res.returncode == 2 and res.stderr.count("\n") == 1 and "rank 0" in res.stderr
+
+
+def test_nothing_fits_names_the_closest_layout_rank_and_bytes():
+    cluster = cm.Cluster("two", {"A": TYPES["A"]}, [cm.Machine(0, "A", 2)], {("A", "A"): 5.0})
+    with pytest.raises(PlanError, match=r"^memory: model .* on this cluster: train layout dp 1 x tp 1 x pp 1 .* "
+                       r"rank 0 \(stage 0: layers 0-47 on A.* needs \d+\.\d GB .* > 72\.0 GB"):  # fmt: skip
+        sc.plan(cluster, cm.load_model_spec("deepseek-r1-distill-qwen-14b"), GPU_WL)
+
+
+def test_every_stage_of_a_plan_fits_by_the_memory_model():
+    cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_24.yaml")
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-14b")
+    plan = sc.plan(cluster, model, GPU_WL)
+    tr = plan["train"]
+    for st in tr["stages"]:
+        k, (a, b) = st["pp"], st["layers"]
+        parts = cm.train_memory_parts(model, b - a, k == tr["pp"] - 1, k == 0, tr["dp"], tr["tp"], k, tr["pp"], GPU_WL)
+        need = parts["peak_bytes"]
+        assert need <= 0.9 * cluster.gpu(st["gpu_type"]).hbm_gb * 1e9
+
+
 def test_role_left_empty_is_an_error():
     cluster = cm.Cluster("one", {"A": TYPES["A"]}, [cm.Machine(0, "A", 1)], {("A", "A"): 5.0})
     with pytest.raises(PlanError, match="role left empty"):
