@@ -413,6 +413,17 @@ def test_rollout_replicas_have_pp_1_and_shardable_tp():
                     assert c.tp <= max(m.gpus for m in cluster.machines if m.gpu_type == t)
 
 
+def test_train_tp_splits_whole_kv_heads():
+    """The trainer shards whole KV heads (tensor_parallel refuses tp > num_key_value_heads): 1.5B has 2 KV heads, so
+    on hetero_56 (8-GPU machines, where tp 4 would otherwise win) the plan trains with tp <= 2."""
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-1.5b")
+    assert model.kv_heads == 2
+    plan = sc.plan(cm.load_cluster(ROOT / "exp/clusters/hetero_56.yaml"), model, GPU_WL)
+    assert model.kv_heads % plan["train"]["tp"] == 0 and model.heads % plan["train"]["tp"] == 0, plan["train"]
+    p = sc.Planner(cm.load_cluster(ROOT / "exp/clusters/hetero_56.yaml"), model, GPU_WL)
+    assert [t for t in (1, 2, 4, 8) if p.tp_ok(t)] == [1, 2]
+
+
 def test_rollout_tp_cli_plans_one_tp2_replica(tmp_path):
     out = tmp_path / "plan.json"
     args = "--cluster exp/clusters/cpu.yaml --model exp/tiny-model --nproc 4 --rollout-tp 2 --out".split()
