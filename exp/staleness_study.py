@@ -8,7 +8,14 @@
   decoupled  π_prox = the parameters before the step (AReaL): the clip acts around them, π_prox/π_behav weighs
              each token (train.behav_correction, default AReaL's cap mask)
 Each run is `bash exp/cpu_demo.sh` with the overrides below (and --extra), its own run directory under
-<out>/runs, and held-out greedy accuracy on the demo's 500 problems. Per run the summary keeps the final and best
+<out>/runs, and held-out greedy accuracy on the demo's 500 problems.
+
+Where staleness comes from. In the plain CPU demo the rollout ranks generate only a little ahead of the trainer
+(token staleness <= 2 even at eta = 8), so eta would not matter. The study therefore runs on
+exp/clusters/cpu_slow_compute.yaml (--cluster): the same 4 processes, with compute -- training and prefill --
+emulated at a quarter of this machine's speed (emulation.py) and decode at full speed, so generation outpaces
+training and the buffer, not the generator, bounds the staleness. Every run trains the same number of steps
+(--steps; no wall-clock limit), so cells compare at equal updates whatever else the shared machine runs. Per run the summary keeps the final and best
 accuracy, the mean clip fraction, the importance weights' mean and max, and the token staleness; per cell the
 accuracies of every seed: {"naive"|"decoupled": {"<eta>": [acc_seed0, ...]}}. Curves:
 `python exp/compare.py <out>/runs --group-by staleness.max_staleness`.
@@ -28,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 VARIANTS = {"naive": "train.recompute_prox_logprobs=false", "decoupled": "train.recompute_prox_logprobs=true"}
 
 
-def run_one(out: Path, variant: str, eta: int, seed: int, args) -> dict:
+def run_one(out: Path, variant: str, eta: int, seed: int, args, plan: Path | None) -> dict:
     run = out / "runs" / f"{variant}_eta{eta}_seed{seed}"
     if not (run / "metrics.jsonl").exists():
         overrides = [
@@ -37,7 +44,10 @@ def run_one(out: Path, variant: str, eta: int, seed: int, args) -> dict:
             f"train.seed={seed}",
             f"train.lr={args.lr}",
             f"train.ppo_minibatches={args.minibatches}",
+            f"train.total_steps={args.steps}",
             f"train.max_train_seconds={args.seconds}",
+            f"logging.eval_every={args.eval_every}",
+            *([f"plan.path={plan.resolve()}"] if plan else []),
             *args.extra,
         ]
         proc = subprocess.run(
@@ -66,6 +76,8 @@ def run_one(out: Path, variant: str, eta: int, seed: int, args) -> dict:
         "importance_weight_mean": mean("importance_weight_mean"),
         "importance_weight_max": max((m["importance_weight_max"] for m in steps), default=0.0),
         "staleness_mean": mean("staleness_mean"),
+        "staleness_max": max((m.get("staleness_max", 0) for m in steps), default=0),
+        "curve": [[m["step"], m["eval_accuracy"]] for m in lines if "eval_accuracy" in m and "step" in m],
     }
 
 
@@ -74,7 +86,14 @@ def main() -> None:
     ap.add_argument("--etas", default="0,1,2,4,8")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--variants", default="naive,decoupled")
-    ap.add_argument("--seconds", type=float, default=150.0, help="training seconds per run")
+    ap.add_argument("--steps", type=int, default=40, help="train steps per run (every cell trains as many)")
+    ap.add_argument("--seconds", type=float, default=0.0, help="also stop after this many training seconds (0: off)")
+    ap.add_argument("--eval-every", type=int, default=10, help="held-out evaluation every this many steps")
+    ap.add_argument(
+        "--cluster",
+        default="exp/clusters/cpu_slow_compute.yaml",
+        help="cluster YAML the 4 ranks are planned on (dp 2 trainers, 2 rollout ranks); 'none': the demo's own map",
+    )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--minibatches", type=int, default=4, help="PPO minibatches per step (> 1: the clip acts)")
     ap.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every run")
@@ -87,13 +106,26 @@ def main() -> None:
         sys.exit(f"error: unknown variants {unknown} (known: {list(VARIANTS)})")
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
+    plan = None
+    if args.cluster != "none":
+        plan = out / "plan.json"
+        cmd = [sys.executable, "schedule.py", "--cluster", args.cluster, "--model", "exp/tiny-model"]
+        cmd += ["--train-layout", "2,1,1", "--out", str(plan.resolve()), "--quiet"]
+        proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
+        if proc.returncode != 0:
+            sys.exit(f"error: planning on {args.cluster} failed: {proc.stderr.strip() or proc.stdout.strip()}")
     records = []
     for seed in seeds:  # interleaved: every cell sees the same stretch of machine time per seed
         for eta in etas:
             for variant in variants:
-                records.append(run_one(out, variant, eta, seed, args))
+                records.append(run_one(out, variant, eta, seed, args, plan))
                 r = records[-1]
-                print(f"{variant:>9} eta={eta} seed={seed}: {r['start_accuracy']:.3f} -> {r['final_accuracy']:.3f}")
+                print(
+                    f"{variant:>9} eta={eta} seed={seed}: {r['start_accuracy']:.3f} -> {r['final_accuracy']:.3f} "
+                    f"(staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']}, "
+                    f"clip {r['pg_clipfrac_mean']:.4f}, w max {r['importance_weight_max']:.2f})",
+                    flush=True,
+                )
     cells = {v: {str(e): [r["final_accuracy"] for r in records if r["variant"] == v and r["eta"] == e] for e in etas}
              for v in variants}  # fmt: skip
     print(f"\n{'variant':>9} " + " ".join(f"{'eta=' + str(e):>15}" for e in etas))
@@ -104,7 +136,9 @@ def main() -> None:
             sd = statistics.stdev(accs) if len(accs) > 1 else 0.0
             row.append(f"{100 * statistics.fmean(accs):6.1f} ± {100 * sd:4.1f}")
         print(f"{v:>9} " + " ".join(f"{x:>15}" for x in row))
-    settings = {k: getattr(args, k) for k in ("seconds", "lr", "minibatches", "extra")}
+    settings = {
+        k: getattr(args, k) for k in ("steps", "seconds", "eval_every", "cluster", "lr", "minibatches", "extra")
+    }
     (out / "summary.json").write_text(json.dumps({**cells, "settings": settings, "runs": records}, indent=1) + "\n")
     print(f"wrote {out / 'summary.json'}")
 
