@@ -29,6 +29,7 @@ import os
 import statistics
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,6 +48,8 @@ def run_one(out: Path, variant: str, eta: int, seed: int, args, plan: Path | Non
             f"train.total_steps={args.steps}",
             f"train.max_train_seconds={args.seconds}",
             f"logging.eval_every={args.eval_every}",
+            f"rollout.max_queued_groups={args.max_queued_groups}",
+            "logging.progress=false",
             *([f"plan.path={plan.resolve()}"] if plan else []),
             *args.extra,
         ]
@@ -96,6 +99,14 @@ def main() -> None:
     )
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--minibatches", type=int, default=4, help="PPO minibatches per step (> 1: the clip acts)")
+    ap.add_argument("--parallel", type=int, default=2, help="runs at once")
+    ap.add_argument(
+        "--max-queued-groups",
+        type=int,
+        default=80,
+        help="rollout.max_queued_groups: groups a rollout rank may hold ahead; >= (eta + 1) x prompts_per_step / "
+        "rollout ranks, or the queue, not eta, bounds the staleness (the demo's 16 stops it at 2)",
+    )
     ap.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every run")
     ap.add_argument("--out", default="exp/staleness_study")
     args = ap.parse_args()
@@ -114,18 +125,22 @@ def main() -> None:
         proc = subprocess.run(cmd, cwd=ROOT, text=True, capture_output=True)
         if proc.returncode != 0:
             sys.exit(f"error: planning on {args.cluster} failed: {proc.stderr.strip() or proc.stdout.strip()}")
-    records = []
-    for seed in seeds:  # interleaved: every cell sees the same stretch of machine time per seed
-        for eta in etas:
-            for variant in variants:
-                records.append(run_one(out, variant, eta, seed, args, plan))
-                r = records[-1]
-                print(
-                    f"{variant:>9} eta={eta} seed={seed}: {r['start_accuracy']:.3f} -> {r['final_accuracy']:.3f} "
-                    f"(staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']}, "
-                    f"clip {r['pg_clipfrac_mean']:.4f}, w max {r['importance_weight_max']:.2f})",
-                    flush=True,
-                )
+    cells_in_order = [(variant, eta, seed) for seed in seeds for eta in etas for variant in variants]
+    # interleaved: every cell sees the same stretch of machine time per seed; --parallel runs that many at once (the
+    # emulated trainers sleep half their time, so two runs share 2 cores without changing what a run trains: the
+    # budget is steps, and both sides of a run slow alike)
+    with ThreadPoolExecutor(max_workers=args.parallel) as pool:
+        futures = [pool.submit(run_one, out, v, e, s, args, plan) for v, e, s in cells_in_order]
+        records = []
+        for future in futures:
+            r = future.result()
+            records.append(r)
+            print(
+                f"{r['variant']:>9} eta={r['eta']} seed={r['seed']}: {r['start_accuracy']:.3f} -> "
+                f"{r['final_accuracy']:.3f} (staleness mean {r['staleness_mean']:.2f} max {r['staleness_max']}, "
+                f"clip {r['pg_clipfrac_mean']:.4f}, w max {r['importance_weight_max']:.2f})",
+                flush=True,
+            )
     cells = {v: {str(e): [r["final_accuracy"] for r in records if r["variant"] == v and r["eta"] == e] for e in etas}
              for v in variants}  # fmt: skip
     print(f"\n{'variant':>9} " + " ".join(f"{'eta=' + str(e):>15}" for e in etas))
