@@ -133,13 +133,16 @@ def old_receive(gen, shapes: dict, bucket_bytes: int, version: int) -> None:
 def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    # gloo on CUDA too: every rank on one GPU is the colocated mode, whose buckets travel through pinned host memory
     dist.init_process_group("gloo", rank=rank, world_size=world)
+    device = torch.device(args.device)
+    shapes = {**SHAPES, "bench": tuple(int(x) for x in args.bench_shape.split(","))}
     dtype = getattr(torch, args.dtype)
     bucket_bytes = int(args.bucket_mb * 2**20)
     itemsize = torch.empty((), dtype=dtype).element_size()
     results = {}
     version = 0
-    for name, shape in SHAPES.items():
+    for name, shape in shapes.items():
         plan = make_train_plan(1, 1, 1, [(0, shape[1])], world)
         groups = build_groups(plan, mate_timeout_s=300)
         leaders = groups.rollout_ranks
@@ -149,21 +152,22 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
         if groups.is_train:
             from parallel.trainer import Trainer
 
-            trainer = Trainer(make_model(shape, torch.float32), groups, TrainConfig(), "cpu")
+            trainer = Trainer(make_model(shape, torch.float32), groups, TrainConfig(), args.device)
             channel = Channel(leaders, namespace=f"bench/{name}")
             buckets = trainer.sync_buckets(itemsize, bucket_bytes)
             layout = {"buckets": [bucket_meta(b, trainer.full_shapes, dtype) for b in buckets], "verify": True}
         else:
             from rollout import Generator
 
-            model = make_model(shape, dtype)
+            model = make_model(shape, dtype).to(device)
             gen = Generator(model, max_batch_size=2, max_seq_len=32)
             shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
             channel = Channel([0], namespace=f"bench/{name}")
         times = {"before": [], "runtime": []}
         sent = {}
         repeats = args.repeats if name == "bench" else max(2, args.repeats // 2)
-        paths = ("before", "runtime") if name == "bench" else ("runtime",)
+        # the path before ran on host memory: on CUDA only the runtime's is timed
+        paths = ("before", "runtime") if name == "bench" and device.type == "cpu" else ("runtime",)
         for _ in range(repeats):
             for path in paths:
                 version += 1
@@ -189,12 +193,12 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
                     def apply(bucket, last, v=msg["version"], g=gen):
                         g.update_weights(bucket, v, last=last)
 
-                    receive_version(msg, groups.weight_links, torch.device("cpu"), apply, 300)
+                    receive_version(msg, groups.weight_links, device, apply, 300)
                 dist.barrier()
                 times[path].append(time.perf_counter() - t0)
         ok = torch.ones(1)
         if groups.is_train:
-            want = {n: t.to(dtype) for n, t in trainer.gather_full_state_dict().items()}
+            want = {n: t.to(dtype).cpu() for n, t in trainer.gather_full_state_dict().items()}
         for r in leaders:  # bitwise check, replica by replica
             if groups.is_train:
                 for t in want.values():
@@ -207,7 +211,7 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
                 for n in got:
                     t = torch.empty(got[n].shape, dtype=got[n].dtype)
                     dist.recv(t, src=0)
-                    same &= torch.equal(t, got[n])
+                    same &= torch.equal(t, got[n].cpu())
                 dist.send(torch.tensor([float(same)]), dst=0)
         if groups.is_train:
             results[name] = {
@@ -246,14 +250,16 @@ def report(results: dict, args) -> None:
     eff = cm.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0]))
     bench = results["bench"]
     predicted = predict(bench["buckets"], eff)
-    before, runtime = bench["seconds"]["before"], bench["seconds"]["runtime"]
+    before, runtime = bench["seconds"].get("before"), bench["seconds"]["runtime"]
     print(
         f"weight sync: 1 train rank -> {args.replicas} rollout replicas on one machine "
         f"({'the owner sends to each' if args.direct else 'one relay forwards'}), rollout dtype {args.dtype}, "
         f"{args.bucket_mb:g} MB buckets, medians of {args.repeats}"
     )
     print(f"{'model':>6} {'params':>8} {'path':>8} {'MB sent':>8} {'s/version':>10} {'GB/s':>6}")
-    for name in SHAPES:
+    for name in results:
+        if name == "bitwise":
+            continue
         r = results[name]
         for path, s in r["seconds"].items():
             mb = r["sent"][path] / 1e6
@@ -262,17 +268,19 @@ def report(results: dict, args) -> None:
         f"fitted on fit-a/fit-b: achieved {eff.link_eff:.2f} GB/s (planner link at 1 GB/s nominal), "
         f"latency {eff.sync_latency_s * 1e3:.1f} ms"
     )
+    versus = f" vs before {before:.3f} s = {before / runtime:.2f}x faster" if before else ""
     print(
-        f"bench ({bench['params'] / 1e6:.1f}M params): runtime {runtime:.3f} s vs before {before:.3f} s = "
-        f"{before / runtime:.2f}x faster; planner predicts {predicted:.3f} s "
-        f"({(runtime - predicted) / predicted * 100:+.1f}% measured vs predicted)"
+        f"bench ({bench['params'] / 1e6:.1f}M params, {args.device}): runtime {runtime:.3f} s{versus}; planner "
+        f"predicts {predicted:.3f} s ({(runtime - predicted) / predicted * 100:+.1f}% measured vs predicted)"
     )
     print(f"every replica bitwise the trainer's weights in {args.dtype}: {all(results['bitwise'])}")
     print(
         "SUMMARY "
         + json.dumps(
             {
-                "speedup": before / runtime,
+                "device": args.device,
+                "params": bench["params"],
+                "speedup": before / runtime if before else None,
                 "runtime_s": runtime,
                 "before_s": before,
                 "predicted_s": predicted,
@@ -290,6 +298,12 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--direct", action="store_true", help="no relay: the owner sends to every replica itself")
+    ap.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on the one GPU (the colocated hand-over)")
+    ap.add_argument(
+        "--bench-shape",
+        default=",".join(map(str, SHAPES["bench"])),
+        help="hidden,layers,intermediate,vocab of the benchmark model (1.5B-shaped: 1536,28,8960,151936)",
+    )
     ap.add_argument("--out", default="/tmp/bench_weight_sync.pt")
     args = ap.parse_args()
     import socket

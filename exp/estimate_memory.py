@@ -398,7 +398,9 @@ def host_model(hf_cfg, fake: bool):
         return AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
 
 
-def run_train_rank(cfg, groups, model, *, batch: str = STEADY, tracker=None, fake_mode=None, sync: bool = True):
+def run_train_rank(
+    cfg, groups, model, *, batch: str = STEADY, tracker=None, fake_mode=None, sync: bool = True, device: str = "cpu"
+):
     """What a train rank allocates: Trainer(model, ...), ONE train_step, then ONE weight sync in which DP replica 0
     sends its stage (parallel/weight_sync.send_version). `tracker` (a PeakTracker, entered by the caller) is told
     what to watch and which phase runs; `fake_mode` wraps the construction in FakeCopyMode."""
@@ -409,7 +411,7 @@ def run_train_rank(cfg, groups, model, *, batch: str = STEADY, tracker=None, fak
 
     model_dtype, compute_dtype = gpu_dtypes(cfg)
     with FakeCopyMode(fake_mode) if fake_mode is not None else contextlib.nullcontext():
-        trainer = Trainer(model, groups, cfg.train, "cpu", temperature=cfg.rollout.temperature or 1.0,
+        trainer = Trainer(model, groups, cfg.train, device, temperature=cfg.rollout.temperature or 1.0,
                           compute_dtype=compute_dtype)  # fmt: skip
     del model
     if tracker is not None:
@@ -710,6 +712,61 @@ def validate(cases: list[tuple[str, str]], world: int = 3, full_batch: bool = Tr
     return sorted(rows, key=lambda r: (r["model"], r["layout"], r["rank"]))
 
 
+def measure_train_step(config: str, overrides: list[str], layers: int | None, tol: float = 0.15) -> dict:
+    """One train rank (dp 1, tp 1, pp 1, no rollout rank) of the config's model shape (random weights; `layers`
+    overrides its depth) run for real on this machine's device -- CUDA when there is one -- for ONE train step at
+    the config's shapes (the estimator's steady batch), its peak measured (CUDA: max_memory_allocated above what was
+    allocated before; CPU: the profiler's allocation records, as --validate), then estimated on fake tensors in the
+    same process. exp/gpu_check.sh runs it for the 1.5B config on the GPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from parallel.groups import build_groups
+    from parallel.rankmap import make_train_plan
+
+    cfg = load_run(config, overrides)
+    hf_cfg = hf_config(cfg)
+    if layers:
+        hf_cfg.num_hidden_layers = layers
+        if getattr(hf_cfg, "layer_types", None):
+            hf_cfg.layer_types = hf_cfg.layer_types[:layers]
+    n = hf_cfg.num_hidden_layers
+    plan = make_train_plan(1, 1, 1, [(0, n)], world_size=1)
+    cuda = torch.cuda.is_available()
+    with tempfile.TemporaryDirectory() as folder:
+        dist.init_process_group("nccl" if cuda else "gloo", init_method=f"file://{folder}/store", rank=0, world_size=1)
+        groups = build_groups(plan)
+        torch.manual_seed(0)
+        model = host_model(hf_cfg, fake=False)
+        t0 = time.perf_counter()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            before = torch.cuda.memory_allocated()
+            run_train_rank(cfg, groups, model, device="cuda")
+            torch.cuda.synchronize()
+            low = high = torch.cuda.max_memory_allocated() - before
+            hbm = torch.cuda.get_device_properties(0).total_memory
+        else:
+            with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+                run_train_rank(cfg, groups, model)
+            low, high = measured_peak(prof)
+            hbm = 0
+        step_s = time.perf_counter() - t0
+        del model
+        dist.destroy_process_group()
+    init_fake(1, 0)
+    try:
+        est = estimate_rank(cfg, plan, 0, hbm or 1e12, hf_cfg=hf_cfg)
+    finally:
+        dist.destroy_process_group()
+    row = {"config": config, "layers": n, "device": torch.cuda.get_device_name() if cuda else "cpu",
+           "measured_low": low, "measured_high": high, "estimated": est["peak_bytes"], "hbm_bytes": hbm,
+           "kinds": {k: est[k] for k in KINDS}, "seconds": round(step_s, 1)}  # fmt: skip
+    row["error_vs_low"], row["error_vs_high"] = row["estimated"] / low - 1, row["estimated"] / high - 1
+    row["ok"] = validation_ok(row, tol)
+    return row
+
+
 def validation_ok(row: dict, tol: float = 0.15) -> bool:
     """The estimate within tol of the measured peak: of its lower bound (every free the profiler saw; exact when no
     gloo thread freed anything) and not above its upper bound (those frees counted late) by more than tol."""
@@ -830,6 +887,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--jobs", type=int, default=2, help="ranks estimated at once (one process each)")
     ap.add_argument("--batch", choices=(STEADY, FULL), default=STEADY, help="trajectories per train step")
     ap.add_argument("--validate", action="store_true", help="estimates vs measured peaks on CPU")
+    ap.add_argument(
+        "--measure-train-step",
+        action="store_true",
+        help="one train step of --config's model on this machine's device (CUDA if any) vs its estimate",
+    )
+    ap.add_argument("--layers", type=int, help="with --measure-train-step: the model's depth (default: the config's)")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("overrides", nargs="*", help="config overrides key=value")
     a = ap.parse_args(argv)
@@ -839,6 +902,17 @@ def main(argv: list[str] | None = None) -> int:
         rows = validate([(m, layout) for m in VALIDATION_MODELS for layout in VALIDATION_LAYOUTS])
         print("\n".join(json.dumps(r) for r in rows) if a.json else format_validation(rows))
         return 0 if all(validation_ok(r) for r in rows) else 1
+    if a.measure_train_step:
+        if not a.config:
+            ap.error("--measure-train-step needs --config")
+        row = measure_train_step(a.config, a.overrides, a.layers)
+        mib = 2**20
+        print(json.dumps(row) if a.json else
+              f"{row['config']} ({row['layers']} layers) on {row['device']}: one train step measured "
+              f"{row['measured_low'] / mib:.1f}-{row['measured_high'] / mib:.1f} MiB, estimated "
+              f"{row['estimated'] / mib:.1f} MiB ({row['error_vs_low']:+.1%} / {row['error_vs_high']:+.1%}), "
+              f"step {row['seconds']} s: {'within' if row['ok'] else 'NOT within'} 15%")  # fmt: skip
+        return 0 if row["ok"] else 1
     if not a.config or not a.plan:
         ap.error("--config and --plan are required (or --validate)")
     if not Path(a.plan).is_file():
