@@ -40,6 +40,11 @@ Story of a request:
   takes them on the next step (continuous batching). A running sequence that needs a block the pool does not
   have preempts the youngest request: back to the queue with its tokens, recomputed on readmission.
   Invariant of a running slot: its blocks hold K/V for tokens[:-1]; tokens[-1] is the next input.
+  The decode step samples on the device. With async_decode (default on a GPU) the host reads step k's tokens
+  while step k+1 runs: that step takes its input tokens from step k's on the device. A stop token is therefore
+  seen a step late; its request's extra row is dropped. The GPU step runs in batch-size buckets (a CUDA graph
+  each) with FlexAttention over the live blocks in place. exp/GENERATOR.md, "The decode path", says what runs
+  where and why.
 
 Weight updates (`update_weights`) happen between step() calls. interrupt_mode="recompute" (default,
 as AReaL) re-prefills every in-flight sequence (prompt + tokens so far) under the new weights, so
@@ -644,17 +649,20 @@ def sample_tokens(
     top_k: torch.Tensor | None,
     u: torch.Tensor,
     truncate: bool,
+    greedy_rows: tuple[bool, bool] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Draw one token per row and return (tokens, logprobs); rows with temperature 0 are greedy.
 
     logits [B, V] fp32; temperature [B] fp32, or one float for all rows; top_p [B] fp32 and top_k [B]
     int64 (V when disabled), needed only with `truncate`; u [B] fp64. Sampling inverts the CDF at u.
     With `truncate` the vocabulary is sorted and cut by top-k, then top-p of the renormalised
-    remainder (the order HF applies them); logprobs are never truncated.
+    remainder (the order HF applies them); logprobs are never truncated. `greedy_rows` = (all rows greedy, any
+    row greedy) when the caller knows them (the generator does, from the params): then nothing here reads a device
+    value on the host, so the sampler runs without a sync and can sit in a captured CUDA graph.
     """
     if isinstance(temperature, torch.Tensor):
         greedy = temperature == 0
-        all_greedy, any_greedy = bool(greedy.all()), bool(greedy.any())
+        all_greedy, any_greedy = greedy_rows or (bool(greedy.all()), bool(greedy.any()))
         scaled = logits if all_greedy else logits / torch.where(greedy, 1.0, temperature).unsqueeze(1)
     else:  # one temperature for every row (the usual case): no per-row tensors (x / 1 is x, bit for bit)
         greedy, all_greedy, any_greedy = None, temperature == 0, temperature == 0
@@ -683,10 +691,26 @@ def sample_tokens(
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
 
+try:  # torch-native paged decode attention (the GPU path: compiled into one kernel that reads the live blocks in place)
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+except ImportError:  # pragma: no cover - torch without FlexAttention
+    BlockMask = flex_attention = None
+
 try:  # optional: flash-attn's in-place KV-cache decode kernel (GPU only)
     from flash_attn import flash_attn_with_kvcache
 except ImportError:  # pragma: no cover - not installed on CPU machines
     flash_attn_with_kvcache = None
+
+_COMPILED_FLEX = []
+
+
+def _compiled_flex():
+    """flex_attention compiled once per process (the eager GPU step): uncompiled it is a reference implementation
+    that materialises scores over the whole pool. The compiled decode step compiles it with the rest."""
+    if not _COMPILED_FLEX:
+        _COMPILED_FLEX.append(torch.compile(flex_attention, dynamic=False))
+    return _COMPILED_FLEX[0]
+
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024  # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
@@ -776,14 +800,28 @@ class _Request:
     blocks: list[int] = field(default_factory=list)  # its block table: KV-pool blocks of positions 0, bs, 2 bs, ...
     arrival: int = 0  # age on the KV pool (preemption sends the youngest back to the queue)
     donor: _Request | None = None  # admitted this step sharing that request's prompt K/V (see Generator._admit)
+    unresolved: int = 0  # tokens sampled on the device whose values the host has not read yet (async decode)
+    finished: bool = False  # released (finished or aborted): rows of it in unresolved steps are dropped
 
     @property
-    def all_tokens(self) -> list[int]:
+    def all_tokens(self) -> list[int]:  # the host's tokens: only read when none is unresolved
         return self.prompt_ids + self.token_ids
 
     @property
-    def num_tokens(self) -> int:  # len(all_tokens) without building the list (read every decode step)
-        return len(self.prompt_ids) + len(self.token_ids)
+    def num_tokens(self) -> int:  # tokens so far, unresolved ones included (read every decode step)
+        return len(self.prompt_ids) + len(self.token_ids) + self.unresolved
+
+
+@dataclass
+class _LaunchedStep:
+    """A decode step whose tokens were sampled on the device; the host reads them a step later (async decode)."""
+
+    requests: list[tuple[_Request, int]]  # (running request, its row: its slot at launch)
+    tokens: torch.Tensor  # [width] int64 on the device: the next step's input tokens are read from it there
+    host_tokens: torch.Tensor  # [width] int64, pinned on CUDA: filled by a non_blocking copy
+    host_logprobs: torch.Tensor  # [width] fp32, likewise
+    done: torch.cuda.Event | None  # recorded after the copies (None on CPU: the copies are plain)
+    version: int  # the weights that sampled it
 
 
 @dataclass
@@ -988,6 +1026,9 @@ class Generator:
         kv_cache_tokens: int = 0,
         kv_cache_fraction: float = 0.0,
         kv_seq_tokens: int = 0,
+        async_decode: bool | None = None,
+        decode_attention: str = "auto",
+        decode_buckets: bool | None = None,
     ):
         config = model.config
         model_type = getattr(config, "model_type", None)
@@ -1001,6 +1042,22 @@ class Generator:
         self.device, self.dtype = param.device, param.dtype
         if use_flash_attn and (flash_attn_with_kvcache is None or self.device.type != "cuda"):
             raise ValueError("use_flash_attn=True needs the flash_attn package and a CUDA model")
+        on_gpu = self.device.type == "cuda"
+        if decode_attention == "auto":  # FlexAttention in the compiled GPU step, else the gathered matmuls (see docs)
+            flex_ok = on_gpu and compile_decode and flex_attention is not None and not use_flash_attn
+            decode_attention = "flex" if flex_ok else "gather"
+        if decode_attention not in ("gather", "flex") or decode_attention == "flex" and flex_attention is None:
+            raise ValueError(
+                f"decode_attention must be 'auto', 'gather' or 'flex' (needs torch's flex_attention), got {decode_attention!r}"
+            )
+        if decode_attention == "flex" and use_flash_attn:
+            raise ValueError("decode_attention='flex' and use_flash_attn=True exclude each other")
+        self.decode_attention = decode_attention
+        # async decode: the host reads step k's tokens while step k+1 runs. Default on a GPU only: on CPU every op
+        # is synchronous anyway, and the lag costs a row for each stopped request and a step before its slot refills.
+        self.async_decode = on_gpu if async_decode is None else async_decode
+        self._launched: list[_LaunchedStep] = []  # decode steps whose tokens the host has not read, oldest first
+        self._resolved: list[RequestOutput] = []  # requests finished outside step() (flushes), returned by the next
         self.tp_group = tp_group
         self.tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         self.tp_rank = 0 if tp_group is None else dist.get_rank(tp_group)
@@ -1100,17 +1157,38 @@ class Generator:
         self._gather_out: torch.Tensor | None = None  # CPU scratch for the gathered live blocks (see _live_kv)
         self.cache_positions = torch.arange(self.max_blocks * bs, device=self.device)
         # row of (kv head, block 0, offset 0) in a pool layer's flat [kv_heads * (num_blocks + 1) * bs, D] view
-        self.head_rows = torch.arange(self.n_kv_heads, device=self.device) * ((self.kv_pool.num_blocks + 1) * bs)
+        self._head_rows_host = torch.arange(self.n_kv_heads) * ((self.kv_pool.num_blocks + 1) * bs)
+        self.head_rows = self._head_rows_host.to(self.device)
         self.decode_span = 0  # positions per slot the last decode step's attention read (whole blocks)
+        self.decode_width = 0  # rows of the last decode step (its bucket, with decode_buckets)
+        # FlexAttention's page table: the logical index of every pool block in the table of the sequences holding it
+        # (unique: shared prompt blocks sit at the same index in every sharer's table), and each row's position
+        self._logical = torch.zeros(self.kv_pool.num_blocks + 1, dtype=torch.int32, device=self.device)
+        self._logical_host = (
+            self._logical if self.device.type == "cpu" else torch.zeros_like(self._logical, device="cpu")
+        )
+        self._flex_positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
+        self._flex_mask_mods = {w: self._flex_mask_mod(w) for w in set(self.windows)}
 
         self.waiting: deque[_Request] = deque()
         self.slots: list[_Request | None] = [None] * self.max_batch_size
         self.requests: dict[Hashable, _Request] = {}
         self.stats = GeneratorStats()
 
-        # A compiled decode step needs static shapes: always all slots and every block of their tables.
+        # A compiled decode step needs static shapes: every block of the tables, and a batch width from a few buckets
+        # (powers of two up to max_batch_size): the running slots are padded to the smallest bucket that holds them,
+        # so a CUDA graph is captured per bucket and a small tail batch does not pay for max_batch_size rows.
         self.static_decode = compile_decode
-        self._decode_forward = self._forward_eager
+        self.decode_buckets = (compile_decode or on_gpu) if decode_buckets is None else decode_buckets
+        self.buckets = sorted({min(1 << i, self.max_batch_size) for i in range(self.max_batch_size.bit_length() + 1)})
+        self._decode_step = self._decode_and_sample
+        if compile_decode or on_gpu and decode_attention == "flex":
+            # a graph per bucket (x the few sampler variants: greedy / sampled / truncated); past dynamo's default
+            # limit of 8 recompiles per function it would fall back to eager
+            for name in ("recompile_limit", "cache_size_limit"):
+                if hasattr(torch._dynamo.config, name):
+                    limit = max(getattr(torch._dynamo.config, name), 4 * len(self.buckets))
+                    setattr(torch._dynamo.config, name, limit)
         if compile_decode:
             mode = "reduce-overhead" if self.device.type == "cuda" else "default"
             if self.device.type == "cuda":
@@ -1123,11 +1201,13 @@ class Generator:
                     self.cache_positions,
                     self.head_rows,
                     self.block_table,
+                    self._logical,
+                    self._flex_positions,
                     *(self.rope_table or ()),
                 ]:
                     if t is not None:
                         torch._dynamo.mark_static_address(t)
-            self._decode_forward = torch.compile(self._forward_eager, mode=mode, dynamic=False)
+            self._decode_step = torch.compile(self._decode_and_sample, mode=mode, dynamic=False)
 
     def _kv_pool(
         self, pool: KVPool | None, block_size: int | None, tokens: int, fraction: float, max_seq_len: int
@@ -1266,7 +1346,7 @@ class Generator:
             elif n % self.block_size:  # resident: its partly filled last prompt block is copied
                 copies.append((donor.blocks[n // self.block_size], r.blocks[n // self.block_size]))
         if copies:
-            src, dst = (torch.tensor(c, device=self.device) for c in zip(*copies))
+            src, dst = (self._to_device(torch.tensor(c)) for c in zip(*copies))
             self.kv_pool.storage.index_copy_(3, dst, self.kv_pool.storage.index_select(3, src))
         compute.sort(key=lambda r: r.num_tokens)
         chunks = []
@@ -1288,7 +1368,7 @@ class Generator:
         seqs = [r.all_tokens[:-1] for r in reqs]
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
-        heads, head_rows = torch.arange(self.n_kv_heads), self.head_rows.cpu()
+        heads, head_rows = torch.arange(self.n_kv_heads), self._head_rows_host  # no device-to-host copy (a sync)
         dst, src = [], []  # pool rows (kv head, block, offset) <- rows (request, position, kv head) of k
         for i, (r, s) in enumerate(zip(reqs, seqs)):
             tokens[i, : len(s)] = torch.tensor(s)
@@ -1301,7 +1381,7 @@ class Generator:
                 src.append((i * length + pos[start:]) * self.n_kv_heads + heads)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
         return _PrefillChunk(
-            tokens.to(self.device), torch.cat(dst).view(-1).to(self.device), torch.cat(src).view(-1).to(self.device)
+            self._to_device(tokens), self._to_device(torch.cat(dst).view(-1)), self._to_device(torch.cat(src).view(-1))
         )
 
     def _forward_eager(
@@ -1337,7 +1417,9 @@ class Generator:
         x = self._embed(tokens.unsqueeze(1))  # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
         masks, live = {}, None
-        if b and not self.use_flash_attn:
+        if b and self.decode_attention == "flex":
+            masks = {window: self._flex_block_mask(positions, window) for window in set(self.windows)}
+        elif b and not self.use_flash_attn:
             masks = {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
             live = self.block_table[:b, : span // self.block_size].reshape(-1)  # the live blocks, slot-major
         for i in range(len(self.layers)):
@@ -1374,6 +1456,37 @@ class Generator:
             torch.zeros(self.n_kv_heads, b, 1, span, dtype=self.dtype, device=self.device)
             .masked_fill_(~keep.view(1, b, 1, span), float("-inf"))
             .view(-1, 1, span)
+        )
+
+    def _flex_mask_mod(self, window: int | None):
+        """FlexAttention's mask over the pool layer viewed as one sequence of (blocks + 1) * block_size rows: row
+        kv_idx of block kv_idx // bs is key position logical * bs + kv_idx % bs of slot b if b's table holds that
+        block at that logical index; it is read up to b's position (within the window). It reads the generator's
+        persistent tables (fixed addresses, so a CUDA graph of the step reads their current values)."""
+        table, logical, positions, bs = self.block_table, self._logical, self._flex_positions, self.block_size
+
+        def mask_mod(b, h, q_idx, kv_idx):
+            block = kv_idx // bs
+            index = logical[block]
+            kpos = index * bs + kv_idx % bs
+            keep = (table[b, index] == block) & (kpos <= positions[b])
+            return keep if window is None else keep & (kpos > positions[b] - window)
+
+        return mask_mod
+
+    def _flex_block_mask(self, positions: torch.Tensor, window: int | None):
+        """The block mask of one decode step: slot b (one query row) visits the first positions[b] // bs + 1 blocks
+        of its block table, in place in the pool (the kernel's KV tiles are the pool's blocks), and the mask_mod
+        cuts the last one at its position. Nothing is gathered; a free block is never visited."""
+        b, bs = positions.shape[0], self.block_size
+        self._flex_positions[:b].copy_(positions)
+        return BlockMask.from_kv_blocks(
+            (positions // bs + 1).to(torch.int32).view(b, 1, 1),
+            self.block_table[:b].view(b, 1, 1, -1),
+            BLOCK_SIZE=(128, bs),
+            mask_mod=self._flex_mask_mods[window],
+            seq_lengths=(1, (self.kv_pool.num_blocks + 1) * bs),
+            compute_q_blocks=False,
         )
 
     def _live_kv(self, pool: torch.Tensor, live: torch.Tensor, b: int, span: int) -> torch.Tensor:
@@ -1420,6 +1533,11 @@ class Generator:
                 window_size=(-1, -1) if window is None else (window - 1, 0),
             )
             return out.reshape(b, 1, -1)
+        if self.decode_attention == "flex":  # the pool layer as one sequence of rows shared by every slot (batch 1)
+            keys, values = (self._pool_layer(j, i).reshape(1, kv, -1, self.head_dim) for j in (0, 1))
+            attend = flex_attention if self.static_decode or self.device.type == "cpu" else _compiled_flex()
+            out = attend(q, keys, values, block_mask=mask, scale=self.scale, enable_gqa=group > 1)
+            return out.transpose(1, 2).reshape(b, 1, -1)
         # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
         # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
         qg = q.reshape(b, kv, group, self.head_dim).transpose(0, 1).reshape(kv * b, group, self.head_dim)
@@ -1497,17 +1615,21 @@ class Generator:
     def step(self) -> list[RequestOutput]:
         """Give every running slot the KV blocks it needs (preempting the youngest requests if the pool is out
         of them), admit waiting requests into free slots while blocks last (prefill), then ONE batched decode
-        step for all running slots. Returns the requests that finished in this step."""
+        step for all running slots. Returns the requests that finished in this step; with async_decode, those
+        whose last token the previous step sampled (the host reads a step's tokens while the next one runs)."""
+        finished, self._resolved = self._resolved, []
         t0 = time.perf_counter()
+        self._retire_by_length()
         self._grow()
         self.stats.decode_seconds += time.perf_counter() - t0
         t0 = time.perf_counter()
         self._admit()
         running = [r for r in self.slots if r is not None]
         if not running:
+            finished += self._resolve(keep=0)
             if self.waiting:  # cannot happen: the pool holds a whole sequence and the others' blocks can be taken
                 raise RuntimeError("Generator.step: requests wait but none can be admitted (KV pool accounting)")
-            return []
+            return finished
         to_prefill = [r for r in running if r.needs_prefill]
         riding = None
         if to_prefill:
@@ -1528,39 +1650,107 @@ class Generator:
         t0 = time.perf_counter()
         self._zero_fresh_blocks()
         self._sync_table()
-        width = self.max_batch_size if self.static_decode else max(r.slot for r in running) + 1
-        # idle slots decode a dummy token at position 0, written into the null block
-        tokens, positions, rows = [0] * width, [0] * width, [0] * width
-        bs = self.block_size
-        for r in running:
-            p = r.num_tokens - 1
-            tokens[r.slot], positions[r.slot] = (r.token_ids or r.prompt_ids)[-1], p
-            rows[r.slot] = r.blocks[p // bs] * bs + p % bs
-        # the live blocks: up to the longest sequence's last block (compiled: every block, static shapes)
-        span = self.max_blocks * bs if self.static_decode else (max(positions) // bs + 1) * bs
-        self.decode_span = span
-        if self.static_decode and self.device.type == "cuda":
-            torch.compiler.cudagraph_mark_step_begin()  # the last step's logits are consumed: reuse their memory
-        as_tensor = lambda xs: torch.tensor(xs, device=self.device)  # noqa: E731
-        logits = self._decode_forward(as_tensor(tokens), as_tensor(positions), as_tensor(rows), span, riding)
-        new_tokens, new_logprobs = self._sample(logits, running)
-        self.stats.decode_steps += 1
-        self.stats.generated_tokens += len(running)
-
-        finished = []
-        for r, tok, lp in zip(running, new_tokens, new_logprobs):
-            r.token_ids.append(tok)
-            r.logprobs.append(lp)
-            r.versions.append(self.version)
-            reason = (
-                "stop"
-                if tok in r.params.stop_token_ids
-                else ("length" if len(r.token_ids) >= r.params.max_new_tokens else None)
-            )
-            if reason is not None:
-                finished.append(self._release(r, reason))
+        self._launch(running, riding)
+        finished += self._resolve(keep=1 if self.async_decode else 0)
         self.stats.decode_seconds += time.perf_counter() - t0
         return finished
+
+    def _launch(self, running: list[_Request], riding: _PrefillChunk | None) -> None:
+        """Queue one decode step (forward + sampling) for the running slots on the device; nothing waits for it. A
+        row whose input token the previous step sampled reads it on the device; positions, block rows, seeds and
+        counters are known on the host (every running row adds one token) and go over in one copy."""
+        last = max(r.slot for r in running) + 1
+        width = next(w for w in self.buckets if w >= last) if self.decode_buckets else last
+        self.decode_width = width
+        # idle slots decode a dummy token at position 0, written into the null block
+        cols = [[0] * width for _ in range(5)]  # input token, position, pool row, hashed seed, token counter
+        bs = self.block_size
+        prev = self._launched[-1] if self._launched else None
+        from_prev = []  # slots whose input token is still on the device
+        for r in running:
+            p, s = r.num_tokens - 1, r.slot
+            if r.unresolved:
+                from_prev.append(s)
+            else:
+                cols[0][s] = (r.token_ids or r.prompt_ids)[-1]
+            cols[1][s], cols[2][s] = p, r.blocks[p // bs] * bs + p % bs
+            cols[3][s], cols[4][s] = r.hashed_seed, len(r.token_ids) + r.unresolved
+        # the live blocks: up to the longest sequence's last block (compiled: every block, static shapes)
+        span = self.max_blocks * bs if self.static_decode else (max(cols[1]) // bs + 1) * bs
+        self.decode_span = span
+        tokens, positions, rows, seeds, counters = self._to_device(torch.tensor(cols))
+        if self.device.type == "cpu" and not self.static_decode:  # ~30 int64 ops on a few lanes cost more there
+            seeds = torch.tensor([uniform_from_hash(h, c) for h, c in zip(cols[3], cols[4])], dtype=torch.float64)
+            counters = None
+        if from_prev:
+            at = self._to_device(torch.tensor(from_prev))
+            tokens = tokens.index_copy(0, at, prev.tokens[at])
+        sampling = self._sampling_inputs(running, width)
+        if self.static_decode and self.device.type == "cuda":
+            torch.compiler.cudagraph_mark_step_begin()  # the last step's outputs are consumed: reuse their memory
+        new_tokens, logprobs = self._decode_step(tokens, positions, rows, span, riding, seeds, counters, *sampling)
+        if self.device.type == "cuda":  # the host reads them a step later, from pinned memory: no sync now
+            new_tokens = new_tokens.clone()  # out of the graph's memory, which the next replay reuses
+            host_tokens = torch.empty(width, dtype=torch.long, pin_memory=True).copy_(new_tokens, non_blocking=True)
+            host_logprobs = torch.empty(width, dtype=torch.float32, pin_memory=True)
+            host_logprobs.copy_(logprobs, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record()
+        else:
+            host_tokens, host_logprobs, done = new_tokens, logprobs, None
+        rows_of = [(r, r.slot) for r in running]
+        self._launched.append(_LaunchedStep(rows_of, new_tokens, host_tokens, host_logprobs, done, self.version))
+        for r in running:
+            r.unresolved += 1
+        self.stats.decode_steps += 1
+
+    def _resolve(self, keep: int) -> list[RequestOutput]:
+        """Read the tokens of all launched steps but the last `keep` (waiting for their copies), append them, stamp
+        the version that sampled them and finish requests on a stop token or at max_new_tokens. A row of a request
+        finished meanwhile (its stop token came in an earlier step; or aborted) is dropped."""
+        finished = []
+        while len(self._launched) > keep:
+            launched = self._launched.pop(0)
+            if launched.done is not None:
+                launched.done.synchronize()
+            tokens, logprobs = launched.host_tokens.tolist(), launched.host_logprobs.tolist()
+            for r, row in launched.requests:
+                if r.finished:
+                    continue
+                tok = tokens[row]
+                r.unresolved -= 1
+                r.token_ids.append(tok)
+                r.logprobs.append(logprobs[row])
+                r.versions.append(launched.version)
+                self.stats.generated_tokens += 1
+                reason = (
+                    "stop"
+                    if tok in r.params.stop_token_ids
+                    else ("length" if len(r.token_ids) >= r.params.max_new_tokens else None)
+                )
+                if reason is not None:
+                    finished.append(self._release(r, reason))
+        return finished
+
+    def _flush(self) -> None:
+        """Read every launched step now (a sync); what finishes is returned by the next step()."""
+        self._resolved += self._resolve(keep=0)
+
+    def _retire_by_length(self) -> None:
+        """A request whose unresolved token is its max_new_tokens-th needs no more rows: its slot and blocks go now,
+        as they would have had the host read that token already, and it finishes when the token is read."""
+        for r in self.slots:
+            if r is not None and r.unresolved and len(r.token_ids) + r.unresolved >= r.params.max_new_tokens:
+                self._drop_blocks(r)
+                self.slots[r.slot], r.slot = None, -1
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        """A host tensor on the device without a sync: a pageable host-to-device copy waits for the stream, a
+        non_blocking one from pinned memory does not (the caching host allocator keeps the buffer until the copy
+        ran)."""
+        if self.device.type == "cpu":
+            return t
+        return t.pin_memory().to(self.device, non_blocking=True)
 
     # ------------------------------------------------------------------ KV blocks
 
@@ -1645,7 +1835,7 @@ class Generator:
 
     def _zero_fresh_blocks(self) -> None:
         if self._fresh_blocks:
-            self.kv_pool.storage.index_fill_(3, torch.tensor(self._fresh_blocks, device=self.device), 0.0)
+            self.kv_pool.storage.index_fill_(3, self._to_device(torch.tensor(self._fresh_blocks)), 0.0)
             self._fresh_blocks = []
 
     def _assign(self, r: _Request, blocks: list[int]) -> None:
@@ -1655,6 +1845,8 @@ class Generator:
             self._table[r.slot, len(blocks) :] = 0
         if len(blocks) > old:
             self._table[r.slot, old : len(blocks)] = torch.tensor(blocks[old:], dtype=torch.int32)
+            if self.decode_attention == "flex":
+                self._logical_host[blocks[old:]] = torch.arange(old, len(blocks), dtype=torch.int32)
         self._table_dirty = True
 
     def _drop_blocks(self, r: _Request) -> None:
@@ -1665,7 +1857,12 @@ class Generator:
 
     def _preempt(self, r: _Request) -> None:
         """Back to the waiting queue (by age, so the oldest is readmitted first) with its tokens so far, its blocks
-        freed; on readmission prompt + tokens are recomputed, the recompute path of a weight swap."""
+        freed; on readmission prompt + tokens are recomputed, the recompute path of a weight swap. Its tokens must
+        be on the host for that: a launched step is read first (a sync; preemption is rare), which may finish it."""
+        if r.unresolved:
+            self._flush()
+            if r.finished:
+                return
         self.stats.preemptions += 1
         self._drop_blocks(r)
         self.slots[r.slot], r.slot, r.needs_prefill, r.donor = None, -1, True, None
@@ -1674,8 +1871,9 @@ class Generator:
 
     def _sync_table(self) -> None:
         if self._table_dirty:
-            if self._table is not self.block_table:
-                self.block_table.copy_(self._table)
+            if self._table is not self.block_table:  # pinned, non_blocking: no sync with the running step
+                self.block_table.copy_(self._table.pin_memory(), non_blocking=True)
+                self._logical.copy_(self._logical_host.pin_memory(), non_blocking=True)
             self._table_dirty = False
 
     @property
@@ -1699,32 +1897,64 @@ class Generator:
         """K/V rows the running sequences hold (shared prompt rows counted once per sequence)."""
         return sum(r.num_tokens - 1 for r in self.slots if r is not None and not r.needs_prefill)
 
-    def _sample(self, logits: torch.Tensor, running: list[_Request]) -> tuple[list[int], list[float]]:
-        if len(running) < logits.shape[0]:  # drop the rows of idle slots
-            logits = logits[torch.tensor([r.slot for r in running], device=self.device)]
+    def _sampling_inputs(self, running: list[_Request], width: int) -> tuple:
+        """The sampler's arguments for a step of `width` rows (idle rows draw a dummy token): per-row tensors only
+        where the rows differ, and the host-side flags it needs (so that it reads nothing back from the device)."""
         params = [r.params for r in running]
-        dev = self.device
         temperatures = {p.temperature for p in params}
-        temperature = (
-            temperatures.pop()
-            if len(temperatures) == 1
-            else torch.tensor([p.temperature for p in params], dtype=torch.float32, device=dev)
-        )
+        all_greedy = temperatures == {0.0}
+        any_greedy = 0.0 in temperatures
         truncate = any(p.temperature > 0 and (p.top_p < 1.0 or 0 < p.top_k < self.vocab_size) for p in params)
+        if self.static_decode:  # one graph for greedy and sampled rows alike (argmax and draw, chosen per row)
+            all_greedy, any_greedy = False, True
+        if len(temperatures) == 1:
+            temperature = temperatures.pop()
+            if self.static_decode:  # a tensor: a graph per temperature value would be one per eval/rollout switch
+                temperature = self._to_device(torch.full((width,), temperature, dtype=torch.float32))
+        else:
+            t = torch.ones(width, dtype=torch.float32)
+            t[[r.slot for r in running]] = torch.tensor([p.temperature for p in params], dtype=torch.float32)
+            temperature = self._to_device(t)
         top_p = top_k = None
         if truncate:
-            top_p = torch.tensor([p.top_p for p in params], dtype=torch.float32, device=dev)
-            top_k = torch.tensor([p.top_k if p.top_k > 0 else self.vocab_size for p in params], device=dev)
-        u = torch.tensor(
-            [uniform_from_hash(r.hashed_seed, len(r.token_ids)) for r in running], dtype=torch.float64, device=dev
-        )
-        tokens, logprobs = sample_tokens(logits, temperature, top_p, top_k, u, truncate)
-        return tokens.tolist(), logprobs.tolist()
+            p_k = torch.tensor([[1.0] * width, [float(self.vocab_size)] * width], dtype=torch.float64)
+            p_k[:, [r.slot for r in running]] = torch.tensor(
+                [[p.top_p for p in params], [p.top_k if p.top_k > 0 else self.vocab_size for p in params]],
+                dtype=torch.float64,
+            )
+            p_k = self._to_device(p_k)
+            top_p, top_k = p_k[0].float(), p_k[1].long()
+        return temperature, top_p, top_k, truncate, all_greedy, any_greedy
+
+    def _decode_and_sample(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        rows: torch.Tensor,
+        span: int,
+        chunk: _PrefillChunk | None,
+        seeds: torch.Tensor,
+        counters: torch.Tensor | None,
+        temperature: torch.Tensor | float,
+        top_p: torch.Tensor | None,
+        top_k: torch.Tensor | None,
+        truncate: bool,
+        all_greedy: bool,
+        any_greedy: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The decode forward and the sampler, all device ops (the compiled step: one CUDA graph per bucket, sampling
+        included). The counter-based uniforms come from the rows' hashed seeds and token counters on the device, the
+        same values as the host's `uniform_from_hash` (tested); eager on CPU `seeds` holds the uniforms themselves,
+        hashed in Python (counters None). Returns (tokens, logprobs) [width]."""
+        logits = self._forward_eager(tokens, positions, rows, span, chunk)
+        u = seeds if counters is None else uniform_from_hash(seeds, counters)
+        return sample_tokens(logits, temperature, top_p, top_k, u, truncate, (all_greedy, any_greedy))
 
     def _release(self, req: _Request, reason: str) -> RequestOutput:
         self._drop_blocks(req)
         if req.slot >= 0:
             self.slots[req.slot] = None
+        req.slot, req.finished = -1, True
         del self.requests[req.request_id]
         return RequestOutput(req.request_id, req.prompt_ids, req.token_ids, req.logprobs, req.versions, reason)
 
@@ -1733,9 +1963,9 @@ class Generator:
         req = self.requests.get(request_id)
         if req is None:
             raise KeyError(f"abort: unknown request id {request_id!r}")
-        if req.slot < 0:
+        if req.slot < 0 and not req.unresolved:  # waiting (a request retired by length waits for its last token)
             self.waiting.remove(req)
-        self._release(req, "abort")
+        self._release(req, "abort")  # rows of it in launched steps are dropped when read
 
     def unfinished_requests(self) -> list[tuple[Hashable, list[int], SamplingParams, list[int]]]:
         """(request_id, prompt_ids, params, tokens so far) of every waiting or running request."""
@@ -1763,6 +1993,7 @@ class Generator:
         """
         if version < self.version:
             raise ValueError(f"update_weights: version {version} is older than current version {self.version}")
+        self._flush()  # launched steps' tokens are the old weights' (their version) and a recompute needs them all
         targets = dict(self.model.named_parameters(remove_duplicate=False))
         targets.update(self.model.named_buffers(remove_duplicate=False))
         items = weights.items() if isinstance(weights, Mapping) else weights

@@ -3,12 +3,18 @@
     HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py                       # all models, both workloads
     HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py --models rand-256x4 --requests 64   # quick
     HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py --kv-memory --models tiny            # KV memory, ours only
+    python3 exp/bench_rollout.py --models r1-1.5b,r1-7b --workloads rl-tail --batch 256         # GPU: RL tail at 256
+    HF_HUB_OFFLINE=1 .venv/bin/python exp/bench_rollout.py --models r1-1.5b --workloads rl-tail --batch 16 --layers 2
+                                                                          # CPU dry run of the same, 2 layers
 
 Workloads
   rl     RL-shaped: P prompts x 4 samples (256 requests by default), temperature 1.0, up to 256 new tokens,
          32 slots. HF is called the way a user calls it: batches of 32, left padding, do_sample=True.
-  rl-tail the same requests with the long-tailed lengths below instead of the model's own EOS (only for a
-         model that has one: the shipped tiny model's answers are all ~25 tokens, no tail).
+  rl-tail the same requests with the long-tailed lengths below instead of the model's own EOS (the shipped tiny
+         model's answers are all ~25 tokens, no tail); for a random model (no EOS) the same as rl.
+  --batch N  the RL tail at RL batch sizes: N slots and 2N requests (N x 2 / 4 prompts x 4 samples), so the
+         batch runs full, then drains. r1-1.5b / r1-7b are DeepSeek-R1-Distill-Qwen-1.5B / -7B shaped
+         (exp/models/*.json) with random weights; --layers L keeps only L layers (CPU only: a dry run).
   greedy fixed-length greedy: every request generates exactly --greedy-tokens tokens (no stop).
 
 Long tails. A trained model (exp/tiny-model) ends on its own EOS, and both generators stop on it.
@@ -25,14 +31,18 @@ them (whole blocks; a GRPO group's prompt blocks are held once), and the static 
 tokens stay those of an unconstrained run (checked).
 
 Figures: useful tokens/s = generated tokens (EOS included, padding excluded) / wall seconds.
-Achieved GB/s = decode forward passes x weight bytes / seconds (the dominant HBM traffic of decode);
-achieved FLOP/s = 2 x parameters x useful tokens / seconds. Peaks are measured here: a square fp32
-matmul and a large tensor copy (read + write bytes).
+Achieved GB/s = bytes a decode step must read / seconds: the weights once per forward plus the K/V it attends
+over (ours: the live K/V tokens of the running sequences, counted step by step; HF: every row of its padded
+batch up to the batch's current length, which its cache holds and its attention reads). "% HBM" is that over
+--hbm-peak-gbps (default: 4800, an H200's HBM3e, on CUDA; on CPU the copy bandwidth measured here).
+Achieved FLOP/s = 2 x parameters x useful tokens / seconds. Peaks are measured here: a square matmul and a
+large tensor copy (read + write bytes).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import random
@@ -45,7 +55,15 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("WANDB_MODE", "disabled")
 
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM, StoppingCriteria, StoppingCriteriaList
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    StoppingCriteria,
+    StoppingCriteriaList,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -80,6 +98,14 @@ RANDOM_CONFIGS = {  # random-init stand-ins when (or besides) the shipped tiny m
         tie_word_embeddings=True,
     ),
 }
+
+
+# real models' shapes with random weights (exp/models/*.json): the RL-tail rows at RL batch sizes
+SHAPE_FILES = {
+    "r1-1.5b": ROOT / "exp" / "models" / "deepseek-r1-distill-qwen-1.5b.json",
+    "r1-7b": ROOT / "exp" / "models" / "deepseek-r1-distill-qwen-7b.json",
+}
+H200_HBM_GBPS = 4800.0  # HBM3e peak of an H200 (the copy peak measured there was ~3600)
 
 
 # ----------------------------------------------------------------------------- machine peaks
@@ -140,7 +166,13 @@ def long_tailed_limits(n: int, rng: random.Random, cap: int) -> list[int]:
     return [max(4, min(cap, round(math.exp(rng.gauss(math.log(40), 1.0))))) for _ in range(n)]
 
 
+def kv_tokens_read(prompt_len: int, new_tokens: int) -> int:
+    """K/V tokens a sequence's decode rows attend over: its j-th row reads prompt_len + j positions."""
+    return new_tokens * prompt_len + new_tokens * (new_tokens - 1) // 2
+
+
 def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
+    """(useful tokens, seconds, decode steps, K/V tokens read by decode attention)."""
     params = [
         SamplingParams(
             temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=lim, stop_token_ids=stop, seed=seed + i
@@ -153,12 +185,14 @@ def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
     outs = gen.generate(prompts, params)
     sync(gen.device)
     seconds = time.perf_counter() - t0
-    return sum(len(o.token_ids) for o in outs), seconds, gen.stats.decode_steps - steps_before
+    kv = sum(kv_tokens_read(len(o.prompt_ids), len(o.token_ids)) for o in outs)
+    return sum(len(o.token_ids) for o in outs), seconds, gen.stats.decode_steps - steps_before, kv
 
 
 def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
+    """As run_ours; HF's K/V read is every row of its padded batch up to the batch's current length."""
     device = next(model.parameters()).device
-    useful, steps, seconds = 0, 0, 0.0
+    useful, steps, seconds, kv = 0, 0, 0.0, 0
     for start in range(0, len(prompts), batch):
         chunk, lims = prompts[start : start + batch], limits[start : start + batch]
         width = max(len(p) for p in chunk)
@@ -185,11 +219,12 @@ def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
         seconds += time.perf_counter() - t0
         gen = out[:, width:].tolist()
         steps += len(gen[0])
+        kv += len(chunk) * kv_tokens_read(width, len(gen[0]))
         for row, lim in zip(gen, lims):  # useful = up to the row's limit or its first stop token
             row = row[:lim]
             ends = [i for i, t in enumerate(row) if t in stop]
             useful += ends[0] + 1 if ends else len(row)
-    return useful, seconds, steps
+    return useful, seconds, steps, kv
 
 
 # ----------------------------------------------------------------------------- KV memory
@@ -255,10 +290,25 @@ def kv_memory_run(model, name, workload, prompts, limits, temperature, stop, arg
 # ----------------------------------------------------------------------------- main
 
 
-def load_bench_model(name: str, device: torch.device, dtype: torch.dtype):
+def load_bench_model(name: str, device: torch.device, dtype: torch.dtype, layers: int = 0):
     if name == "tiny":
         model = AutoModelForCausalLM.from_pretrained(TINY_DIR, dtype=torch.float32)
         stop = [model.config.eos_token_id]
+    elif name in SHAPE_FILES:
+        shape = json.loads(SHAPE_FILES[name].read_text())
+        shape = {k: v for k, v in shape.items() if k not in ("architectures", "torch_dtype", "model_type")}
+        shape.update(eos_token_id=None, bos_token_id=None, pad_token_id=0)
+        if layers:
+            shape["num_hidden_layers"] = layers
+        torch.manual_seed(0)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)  # initialised in its dtype, where it runs: a 7B fp32 copy would be 30 GB
+        try:
+            with device:
+                model = Qwen2ForCausalLM(Qwen2Config(**shape))
+        finally:
+            torch.set_default_dtype(default)
+        stop = []
     else:
         torch.manual_seed(0)
         with device:  # initialised where it runs (a 1.5B model's random init takes minutes on CPU)
@@ -281,8 +331,16 @@ def main() -> None:
     ap.add_argument(
         "--models",
         default="tiny,rand-256x4,rand-30m",
-        help="comma list of: tiny (exp/tiny-model, skipped if absent), " + ", ".join(RANDOM_CONFIGS),
+        help="comma list of: tiny (exp/tiny-model, skipped if absent), " + ", ".join([*RANDOM_CONFIGS, *SHAPE_FILES]),
     )
+    ap.add_argument("--batch", type=int, default=0, help="RL batch size: N slots, 2N requests (0: --slots, --requests)")
+    ap.add_argument("--layers", type=int, default=0, help="r1-* models: keep only this many layers (CPU dry runs)")
+    ap.add_argument(
+        "--hbm-peak-gbps", type=float, default=0.0, help="memory peak for %% HBM (0: 4800 on CUDA, measured on CPU)"
+    )
+    ap.add_argument("--async-decode", default="auto", choices=["auto", "always", "never"], help="auto: on a GPU")
+    ap.add_argument("--buckets", default="auto", choices=["auto", "always", "never"], help="auto: on a GPU")
+    ap.add_argument("--decode-attention", default="auto", choices=["auto", "gather", "flex"], help="auto: flex on GPU")
     ap.add_argument("--requests", type=int, default=256, help="RL workload size (prompts x 4 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     ap.add_argument("--greedy-requests", type=int, default=64)
@@ -312,15 +370,27 @@ def main() -> None:
     unknown = set(args.workloads.split(",")) - {"rl", "rl-tail", "greedy"}
     if unknown:
         raise SystemExit(f"--workloads: unknown {sorted(unknown)}; choose from rl, rl-tail, greedy")
+    if args.batch:
+        args.slots, args.requests = args.batch, -(-2 * args.batch // 4) * 4
     if args.requests % 4:
         raise SystemExit(f"--requests must be a multiple of 4 (prompts x 4 samples), got {args.requests}")
     torch.set_num_threads(args.threads)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if args.layers and device.type == "cuda":
+        raise SystemExit("--layers is for CPU dry runs; on a GPU the r1-* models run at their real depth")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     peak_flops, peak_gbs = measure_peaks(device, dtype)
+    hbm_peak = args.hbm_peak_gbps or (H200_HBM_GBPS if device.type == "cuda" else peak_gbs)
+    auto = {"auto": None, "always": True, "never": False}
+    ours_options = dict(
+        **gpu_options(device, args.compile, args.flash_attn),
+        async_decode=auto[args.async_decode],
+        decode_buckets=auto[args.buckets],
+        decode_attention=args.decode_attention,
+    )
     print(
         f"device {device} {dtype}, threads {args.threads}: peak matmul {peak_flops / 1e9:.1f} GFLOP/s, "
-        f"copy {peak_gbs:.1f} GB/s; ours: {gpu_options(device, args.compile, args.flash_attn)}"
+        f"copy {peak_gbs:.1f} GB/s, HBM peak taken as {hbm_peak:.0f} GB/s; ours: {ours_options}"
     )
 
     rows = []
@@ -328,17 +398,25 @@ def main() -> None:
         if name == "tiny" and not (TINY_DIR / "config.json").exists():
             print(f"skip tiny: {TINY_DIR} not built")
             continue
-        model, stop = load_bench_model(name, device, dtype)
+        model, stop = load_bench_model(name, device, dtype, args.layers)
         # HF runs on its own copy, as loaded: our Generator re-lays the projection weights it fuses (on CPU
         # input-major where MKL is faster), which would change HF's GEMMs too if it ran on the same modules.
-        hf_model, _ = load_bench_model(name, device, dtype)
+        hf_model, _ = load_bench_model(name, device, dtype, args.layers)
         n_params = sum(p.numel() for p in model.parameters())
-        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+        # a decode step reads every weight once, but of an untied embedding only the rows it looks up
+        embed = model.model.embed_tokens.weight
+        untied = embed is not model.lm_head.weight
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters()) - untied * embed.numel() * (
+            embed.element_size()
+        )
+        c = model.config
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+        kv_token_bytes = KVPool.token_bytes(c.num_hidden_layers, c.num_key_value_heads, head_dim, dtype)
         rng = random.Random(0)
         vocab = model.config.vocab_size
         workloads = []  # (name, prompts, limits, temperature, stop ids)
         for workload in args.workloads.split(","):
-            if workload == "rl-tail" and not stop:
+            if workload == "rl-tail" and not stop and "rl" in args.workloads.split(","):
                 continue  # a model without EOS runs the long-tailed lengths under "rl" already
             if workload in ("rl", "rl-tail"):
                 base = make_prompts(name, args.requests // 4, rng, vocab)
@@ -360,12 +438,12 @@ def main() -> None:
             model,
             max_batch_size=args.slots,
             max_seq_len=max(max(len(p) for p in w[1]) + max(w[2]) for w in workloads),
-            **gpu_options(device, args.compile, args.flash_attn),
+            **ours_options,
         )
         for workload, prompts, limits, temperature, wl_stop in workloads:
             run_ours(gen, prompts[:4], [8] * 4, temperature, wl_stop)  # warm-up
             run_hf(hf_model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, 0)
-            best: dict[str, tuple[int, float, int]] = {}
+            best: dict[str, tuple[int, float, int, int]] = {}
             for _ in range(args.repeats):  # alternate engines; keep each one's fastest run (shared CPUs are noisy)
                 for engine in ("ours", "hf"):
                     if engine == "ours":
@@ -374,7 +452,7 @@ def main() -> None:
                         result = run_hf(hf_model, prompts, limits, temperature, wl_stop, args.slots, 0)
                     if engine not in best or result[1] < best[engine][1]:
                         best[engine] = result
-            for engine, (useful, seconds, steps) in best.items():
+            for engine, (useful, seconds, steps, kv) in best.items():
                 rows.append(
                     dict(
                         model=f"{name} ({n_params / 1e6:.1f}M)",
@@ -384,31 +462,33 @@ def main() -> None:
                         steps=steps,
                         seconds=seconds,
                         tps=useful / seconds,
-                        gbs=steps * weight_bytes / seconds / 1e9,
+                        gbs=(steps * weight_bytes + kv * kv_token_bytes) / seconds / 1e9,
+                        step_ms=1e3 * seconds / steps,
                         flops=2 * n_params * useful / seconds,
                     )
                 )
                 print(
                     f"  {name:10s} {workload:6s} {engine:4s} {useful:7d} tok {steps:5d} steps "
-                    f"{seconds:7.2f} s {useful / seconds:9.1f} tok/s",
+                    f"{seconds:7.2f} s {useful / seconds:9.1f} tok/s {rows[-1]['gbs']:8.1f} GB/s",
                     flush=True,
                 )
 
     if args.kv_memory:
         return
     print(
-        "\n| model | workload | engine | useful tokens | decode steps | s | tok/s | ratio | GB/s (% peak) "
+        f"\n{args.slots} slots, {args.requests} requests; GB/s = (weights + K/V read) / s, % of {hbm_peak:.0f} GB/s\n"
+        "| model | workload | engine | useful tokens | decode steps | ms/step | s | tok/s | ratio | GB/s (% HBM) "
         "| GFLOP/s (% peak) |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for row in rows:
         hf = next(
             r for r in rows if r["model"] == row["model"] and r["workload"] == row["workload"] and r["engine"] == "hf"
         )
         print(
             f"| {row['model']} | {row['workload']} | {row['engine']} | {row['tokens']} | {row['steps']} | "
-            f"{row['seconds']:.2f} | {row['tps']:.0f} | {row['tps'] / hf['tps']:.2f}x | "
-            f"{row['gbs']:.1f} ({100 * row['gbs'] / peak_gbs:.0f}%) | "
+            f"{row['step_ms']:.2f} | {row['seconds']:.2f} | {row['tps']:.0f} | {row['tps'] / hf['tps']:.2f}x | "
+            f"{row['gbs']:.1f} ({100 * row['gbs'] / hbm_peak:.0f}%) | "
             f"{row['flops'] / 1e9:.2f} ({100 * row['flops'] / peak_flops:.0f}%) |"
         )
 

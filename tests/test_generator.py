@@ -754,3 +754,185 @@ def test_pool_size_and_slot_count_come_from_the_config(monkeypatch):
     ]:
         with pytest.raises(ConfigError, match=key):
             kv_options(dataclasses.replace(ok, **bad))
+
+
+# ----------------------------------------------------------------------------- async decode, batch buckets, FlexAttention
+
+
+def mixed_requests(stop: int | None):
+    """GRPO-style groups with mixed sampling settings: greedy, temperatures, top-p, top-k, length limits and a stop
+    token, so every branch of the sampler and both ways to finish occur in one batch."""
+    prompts = [p for p in PROMPTS for _ in range(2)]
+    settings = [
+        dict(temperature=1.0),
+        dict(temperature=0.0),
+        dict(temperature=0.8, top_p=0.9),
+        dict(temperature=1.0, top_k=7),
+        dict(temperature=0.7, top_p=0.8, top_k=20),
+        dict(temperature=1.0),
+    ]
+    stops = [stop] if stop is not None else []
+    params = [
+        SamplingParams(**settings[i % len(settings)], max_new_tokens=4 + (5 * i) % 11, stop_token_ids=stops, seed=i)
+        for i in range(len(prompts))
+    ]
+    return prompts, params
+
+
+def run_streaming(gen, prompts, params, swap=None, abort=None):
+    """Streamed requests; optionally update_weights(swap) and abort(abort) after the 4th step()."""
+    for i, (p, sp) in enumerate(zip(prompts, params)):
+        gen.add_request(i, p, sp)
+    outs, calls = {}, 0
+    while gen.num_unfinished():
+        outs.update((o.request_id, o) for o in gen.step())
+        calls += 1
+        if calls == 4 and abort is not None:
+            gen.abort(abort)
+        if calls == 4 and swap is not None:
+            gen.update_weights(swap, version=1)
+    return outs
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
+def test_async_decode_gives_the_same_tokens_logprobs_and_versions(kind):
+    """async_decode (the host reads step k's tokens while step k+1 runs; the next step's input tokens are read on
+    the device; seeds and counters go to the device, the sampler runs there): the same tokens, log-probs and finish
+    reasons as the synchronous loop, with stop tokens (a stopped request's row in the step after is dropped),
+    length limits (known on the host: the slot frees as early as before) and every sampler branch."""
+    model = make_model(kind, seed=40)
+    free = Generator(model, max_batch_size=4, max_seq_len=40).generate(
+        PROMPTS, SamplingParams(temperature=0, max_new_tokens=8)
+    )
+    prompts, params = mixed_requests(stop=free[0].token_ids[3])
+    results = {}
+    for async_decode in (False, True):
+        gen = Generator(model, max_batch_size=4, max_seq_len=40, async_decode=async_decode)
+        assert gen.async_decode == async_decode
+        results[async_decode] = (run_streaming(gen, prompts, params), gen)
+    (sync, sync_gen), (lagged, async_gen) = results[False], results[True]
+    assert {o.finish_reason for o in sync.values()} == {"stop", "length"}
+    for i, prompt in enumerate(prompts):
+        a, b = sync[i], lagged[i]
+        assert a.token_ids == b.token_ids and a.finish_reason == b.finish_reason and a.versions == b.versions
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+        temperature = params[i].temperature or 1.0
+        ref = full_forward_logprobs(model, prompt, b.token_ids, temperature=temperature)
+        assert max(abs(x - y) for x, y in zip(ref, b.logprobs)) < 1e-4
+    assert (
+        async_gen.stats.generated_tokens
+        == sync_gen.stats.generated_tokens
+        == sum(len(o.token_ids) for o in sync.values())
+    )
+    # a stop is seen a step late, so a stopped slot refills a step later: a few more steps, never fewer
+    assert async_gen.stats.decode_steps >= sync_gen.stats.decode_steps
+    assert pool_is_empty(async_gen) and not async_gen._launched
+
+
+@pytest.mark.parametrize("kind", ["llama", "mistral"])
+def test_async_decode_under_weight_swaps_preemption_and_abort(kind):
+    """With length limits only the asynchronous schedule is the synchronous one step for step, so a weight swap
+    and an abort after the same step() call give the same tokens and version stamps (the swap first reads the
+    launched step: its tokens are the old weights'); a pool of 10 blocks of 4 tokens preempts (a preempted
+    request's launched token is read first) and every block comes back."""
+    model = make_model(kind, seed=41)
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)] + [[40, 41, 42, 43, 44, 45, 46]]
+    params = [SamplingParams(temperature=1.0, max_new_tokens=6 + i % 9, seed=i) for i in range(len(prompts))]
+    swap = perturbed_state_dict(model, seed=9)
+    runs = {}
+    for async_decode in (False, True):
+        for tiny_pool in (False, True):
+            pool = dict(kv_block_size=4, kv_cache_tokens=40, kv_seq_tokens=8) if tiny_pool else {}
+            m = make_model(kind, seed=41)
+            gen = Generator(m, max_batch_size=4, max_seq_len=32, async_decode=async_decode, **pool)
+            runs[async_decode, tiny_pool] = (run_streaming(gen, prompts, params, swap=swap, abort=1), gen)
+    for tiny_pool in (False, True):
+        (sync, _), (lagged, gen) = runs[False, tiny_pool], runs[True, tiny_pool]
+        assert sorted(sync) == sorted(lagged) and 1 not in lagged
+        for i in sync:
+            assert sync[i].token_ids == lagged[i].token_ids and sync[i].versions == lagged[i].versions
+            assert max(abs(x - y) for x, y in zip(sync[i].logprobs, lagged[i].logprobs)) < 1e-5
+        assert any(1 in o.versions and 0 in o.versions for o in lagged.values())
+        assert pool_is_empty(gen)
+        assert (gen.stats.preemptions > 0) == tiny_pool
+    # and the unconstrained pool's tokens are the tiny pool's
+    for i in runs[True, False][0]:
+        assert runs[True, False][0][i].token_ids == runs[True, True][0][i].token_ids
+
+
+def test_async_decode_returns_a_stopped_request_one_step_later():
+    """step() with async_decode returns a request once the host has read its last token: a step later for a stop
+    token, whose slot then refills a step later; a length limit frees the slot in the step the last token is drawn,
+    as before. The synchronous loop is unchanged."""
+    model = make_model("llama", seed=42)
+    probe = Generator(model, max_batch_size=2, max_seq_len=32).generate(
+        [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4)
+    )
+    stop = probe[0].token_ids[1]  # "short" stops on its second token
+    assert probe[0].token_ids[0] != stop
+    params = SamplingParams(temperature=0, max_new_tokens=6, stop_token_ids=[stop])
+    for async_decode, returned_at in ((False, 2), (True, 3)):
+        gen = Generator(model, max_batch_size=2, max_seq_len=32, async_decode=async_decode)
+        gen.add_request("short", [1, 2, 3], params)
+        gen.add_request("long", [4, 5], SamplingParams(temperature=0, max_new_tokens=4))
+        gen.add_request("late", [6], SamplingParams(temperature=0, max_new_tokens=3))
+        calls, seen = 0, {}
+        while gen.num_unfinished():
+            calls += 1
+            seen.update((o.request_id, calls) for o in gen.step())
+        assert seen["short"] == returned_at
+        assert seen["long"] == 4 + async_decode  # a length limit: read a step later, its slot freed in time
+        assert gen.stats.generated_tokens == 2 + 4 + 3
+
+
+def test_decode_buckets_pad_the_batch_without_changing_results():
+    """decode_buckets pads the running rows to the smallest power of two (or max_batch_size) that holds them -- the
+    shapes a compiled step captures one graph for -- and the padding changes no token or log-prob."""
+    model = make_model("qwen2", seed=43)
+    prompts, params = mixed_requests(stop=None)
+    # one request per slot, the tail draining from the highest slot down: 6 slots in use, then 5, ... 1
+    prompts, params = prompts[:6], [dataclasses.replace(p, max_new_tokens=24 - 4 * i) for i, p in enumerate(params[:6])]
+    results, widths = {}, {}
+    for buckets in (False, True):
+        gen = Generator(model, max_batch_size=6, max_seq_len=40, decode_buckets=buckets)
+        assert gen.buckets == [1, 2, 4, 6]
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            gen.add_request(i, p, sp)
+        outs, seen = {}, set()
+        while gen.num_unfinished():
+            outs.update((o.request_id, o) for o in gen.step())
+            if gen.stats.decode_steps:
+                seen.add(gen.decode_width)
+        results[buckets], widths[buckets] = outs, seen
+    assert widths[True] == {1, 2, 4, 6} and widths[False] == {1, 2, 3, 4, 5, 6}
+    for i in results[False]:
+        assert results[False][i].token_ids == results[True][i].token_ids
+        assert max(abs(x - y) for x, y in zip(results[False][i].logprobs, results[True][i].logprobs)) < 1e-5
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
+def test_flex_attention_decode_matches_the_gathered_path(kind):
+    """decode_attention="flex" (the GPU default): FlexAttention over the pool in place, the block mask built from
+    the block tables (each slot visits its own blocks; the mask_mod maps a pool row to its sequence position and
+    cuts the last block, and Mistral's window). Run here as eager flex_attention on CPU: greedy equals HF, and
+    sampled GRPO groups (shared prompt blocks) through a tiny pool (preemption, reused blocks) give the tokens of
+    the gathered-matmul path, log-probs within 1e-5."""
+    model = make_model(kind, seed=44)
+    gen = Generator(model, max_batch_size=3, max_seq_len=40, decode_attention="flex")
+    assert gen.decode_attention == "flex"
+    for prompt, out in zip(PROMPTS, gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=9))):
+        assert out.token_ids == hf_greedy(model, prompt, 9)
+        ref = full_forward_logprobs(model, prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(ref, out.logprobs)) < 1e-4
+    prompts = [p for p in PROMPTS[:4] for _ in range(3)] + [[40, 41, 42, 43, 44, 45, 46]]
+    params = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=14, seed=8)
+    pool = dict(kv_block_size=4, kv_cache_tokens=40, kv_seq_tokens=8)
+    outs = {}
+    for attention in ("gather", "flex"):
+        g = Generator(model, max_batch_size=4, max_seq_len=32, decode_attention=attention, **pool)
+        outs[attention] = g.generate(prompts, params)
+        assert g.stats.preemptions > 0 and g.stats.prefill_tokens_shared > 0 and pool_is_empty(g)
+    for a, b in zip(outs["gather"], outs["flex"]):
+        assert a.token_ids == b.token_ids
+        assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
