@@ -4,9 +4,10 @@ Everything the planner and the simulator know about time, memory and money lives
   cluster spec  -> GPUType / Machine / Cluster     (exp/clusters/*.yaml)
   model spec    -> ModelSpec                       (any Llama/Qwen2/Mistral HF config.json)
   workload      -> Workload                        (batch, lengths, eta, precision)
-  efficiencies  -> Efficiency                      (achieved fraction of peak, fitted by calibration)
+  efficiencies  -> Efficiency                      (achieved fraction of peak: calibrated, or a device profile)
 and the formulas: rollout replica throughput (HexGen-style roofline), memory feasibility, training step
-time (Metis-style pipeline model), weight-sync time and reward time. No torch: numbers in, numbers out.
+time (Metis-style pipeline model), weight-sync time and reward time. No torch: numbers in, numbers out (only
+profile_device, which measures a device for `schedule.py profile`, imports it, when called).
 Units: seconds, bytes, FLOPs, tokens. GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 """
 
@@ -15,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -374,6 +375,7 @@ class TypeEfficiency:
     mfu_train: float = 0.35  # achieved / peak FLOP/s in training
     mfu_infer: float = 0.5  # achieved / peak FLOP/s in decode and prefill
     hbm_eff: float = 0.7  # achieved / peak HBM bandwidth in decode
+    decode_overhead_s: float = 0.0  # fixed seconds per decode step (launches, sampling, host work; a device profile)
 
 
 @dataclass
@@ -438,7 +440,9 @@ def decode_round_s(
     and computes batch * l_k * layer_flops(context) / tp (+ the LM head on the last stage)
                                                                               -> / (tflops * mfu_infer)
     taking the max of the two (a roofline; HexGen adds them). TP adds 2 all-reduces of batch*H per layer
-    over NVLink; PP adds batch*H bytes per stage boundary. The step time is the slowest stage.
+    over NVLink; PP adds batch*H bytes per stage boundary. The step time is the slowest stage, plus the type's
+    fixed per-step overhead `decode_overhead_s` (0 unless a device profile sets it: `schedule.py profile` fits
+    step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps).
     """
     hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff
     flops = gpu.tflops * 1e12 * eff.mfu_infer
@@ -455,7 +459,14 @@ def decode_round_s(
         mem_bytes = pp * weight_bytes + batch * context * kv_layer * lk
         compute = batch * (lk * model.layer_flops_per_token(context) + 2 * head) / tp
         worst = max(worst, max(mem_bytes / hbm, compute / flops) + lk * tp_comm)
-    return worst + pp_comm
+    return worst + pp_comm + eff.decode_overhead_s
+
+
+def decode_bytes_per_step(model: ModelSpec, batch: float, context: float, nbytes: int, tp: int = 1) -> float:
+    """Bytes one GPU of a TP-tp replica (pp 1) reads in one decode step, as decode_round_s counts them: its
+    weights (every layer and the LM head; the embedding is a lookup) plus the KV cache the batch attends to."""
+    weights = (model.layers * model.layer_params + model.head_params) * nbytes / tp
+    return weights + batch * context * model.kv_bytes_per_token_layer(nbytes, tp) * model.layers
 
 
 # Rollout memory: what a rollout rank allocates (rollout.Generator; checked against exp/estimate_memory.py, which
@@ -882,3 +893,486 @@ def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
         reps += 1
     tbps = 2 * src.nbytes * reps / (time.perf_counter() - t0) / 1e12
     return {"tflops": tflops, "hbm_tbps": tbps}
+
+
+# ----------------------------------------------------------------------------- device profile (schedule.py profile)
+
+# A device profile (exp/profiles/*.yaml, written by `schedule.py profile`) holds what one device achieved running
+# torch and the runtime's own code, and the fractions of a cluster GPU type's nominal numbers those rates are: the
+# TypeEfficiency of that type. A fraction must lie in (0, PROFILE_MAX_FRACTION] and the overhead be >= 0: a device
+# does not beat its own peak (the 20% slack is for turbo clocks and rounded-down nominal numbers), and a negative
+# fixed cost is a fit gone wrong, not a device.
+PROFILE_FRACTIONS = ("mfu_train", "mfu_infer", "hbm_eff")
+PROFILE_MAX_FRACTION = 1.2
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
+    """Least squares y = slope * x + intercept; returns (slope, intercept, r2). Needs two distinct xs."""
+    n = len(xs)
+    if n < 2 or len(ys) != n:
+        raise ValueError(f"fit_line needs >= 2 (x, y) pairs, got {n}")
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    if sxx <= 0:
+        raise ValueError("fit_line needs at least two distinct x values")
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    intercept = my - slope * mx
+    syy = sum((y - my) ** 2 for y in ys)
+    sse = sum((y - slope * x - intercept) ** 2 for x, y in zip(xs, ys))
+    return slope, intercept, (1.0 - sse / syy) if syy > 0 else 1.0
+
+
+def fit_rate(work: list[float], seconds: list[float], what: str) -> tuple[float, float, float]:
+    """seconds = work / rate + overhead by least squares: (rate, overhead_s, r2). A slope <= 0 has no rate."""
+    slope, intercept, r2 = fit_line(work, seconds)
+    if slope <= 0:
+        raise SpecError(
+            f"profile: {what}: time does not grow with the work (slope {slope:.3g} s per unit); "
+            "the machine was too noisy for this fit, run it again on a quieter one"
+        )
+    return 1.0 / slope, intercept, r2
+
+
+def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
+    """The profile's TypeEfficiency, or one SpecError naming the first missing or implausible constant."""
+    if not isinstance(eff, dict):
+        raise SpecError(f"{source}: 'efficiency' must be a mapping of {[*PROFILE_FRACTIONS, 'decode_overhead_s']}")
+    values = {}
+    for key in (*PROFILE_FRACTIONS, "decode_overhead_s"):
+        if key not in eff:
+            raise SpecError(f"{source}: missing 'efficiency.{key}'")
+        try:
+            values[key] = float(eff[key])
+        except (TypeError, ValueError):
+            raise SpecError(f"{source}: efficiency.{key} must be a number, got {eff[key]!r}") from None
+        if not math.isfinite(values[key]):
+            raise SpecError(f"{source}: efficiency.{key} must be finite, got {values[key]}")
+    for key in PROFILE_FRACTIONS:
+        if not 0 < values[key] <= PROFILE_MAX_FRACTION:
+            raise SpecError(
+                f"{source}: efficiency.{key} = {values[key]:.4g} is not physically plausible: an achieved fraction "
+                f"of the GPU type's nominal rate must lie in (0, {PROFILE_MAX_FRACTION}] (exp/PLANNER.md, "
+                "'Device profiles'); check the type's nominal tflops / hbm_tbps"
+            )
+    if values["decode_overhead_s"] < 0:
+        raise SpecError(
+            f"{source}: efficiency.decode_overhead_s = {values['decode_overhead_s']:.4g} s < 0 is not physically "
+            "plausible (a fixed cost per decode step); the decode fit was too noisy, profile again"
+        )
+    return TypeEfficiency(**values)
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    """What the planner reads from a device profile: the GPU type it is for, that type's efficiencies, and the
+    nominal numbers those fractions are of (the achieved rates are fraction x nominal)."""
+
+    gpu_type: str
+    efficiency: TypeEfficiency
+    tflops: float
+    hbm_tbps: float
+
+
+def profile_from_dict(d: dict, source: str = "<profile>") -> DeviceProfile:
+    """The DeviceProfile of a device profile's structure, checked: one SpecError names what is missing or wrong."""
+    if not isinstance(d, dict):
+        raise SpecError(f"{source}: a device profile is a mapping (schedule.py profile writes one)")
+    for key in ("device", "gpu_type", "efficiency", "nominal"):
+        if key not in d:
+            raise SpecError(f"{source}: missing '{key}' (schedule.py profile writes it)")
+    te = check_profile_efficiency(d["efficiency"], source)
+    nominal = d["nominal"] if isinstance(d["nominal"], dict) else {}
+    try:
+        tflops, tbps = float(nominal["tflops"]), float(nominal["hbm_tbps"])
+    except (KeyError, TypeError, ValueError):
+        raise SpecError(f"{source}: 'nominal' needs numeric tflops and hbm_tbps (the fractions are of them)") from None
+    if not (tflops > 0 and tbps > 0):
+        raise SpecError(f"{source}: nominal tflops and hbm_tbps must be > 0")
+    return DeviceProfile(str(d["gpu_type"]), te, tflops, tbps)
+
+
+def load_profile(path: str | os.PathLike) -> DeviceProfile:
+    p = Path(path)
+    if not p.exists():
+        raise SpecError(f"device profile not found: {path}")
+    with open(p) as f:
+        try:
+            d = yaml.safe_load(f)
+        except yaml.YAMLError as e:
+            raise SpecError(f"{path}: not YAML ({e})") from None
+    return profile_from_dict(d, str(p))
+
+
+def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source: str) -> Efficiency:
+    """eff with prof.gpu_type's constants replaced by the profile's. The type must be one of the cluster's; where
+    the cluster gives it other nominal numbers than the profile's, the fractions are rescaled so that the achieved
+    rates (fraction x nominal) stay the measured ones."""
+    if prof.gpu_type not in cluster.gpu_types:
+        raise SpecError(
+            f"{source}: gpu_type '{prof.gpu_type}' is not a GPU type of cluster {cluster.name} "
+            f"{sorted(cluster.gpu_types)}"
+        )
+    g, te = cluster.gpu_types[prof.gpu_type], prof.efficiency
+    flops, bw = prof.tflops / g.tflops, prof.hbm_tbps / g.hbm_tbps
+    out = Efficiency.from_dict(eff.to_dict())
+    out.per_type[prof.gpu_type] = TypeEfficiency(
+        mfu_train=te.mfu_train * flops,
+        mfu_infer=te.mfu_infer * flops,
+        hbm_eff=te.hbm_eff * bw,
+        decode_overhead_s=te.decode_overhead_s,
+    )
+    return out
+
+
+def _device_name(torch, device) -> str:
+    import platform
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} (CPU, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+# Shapes the profile runs, per device kind. GEMMs are training micro-batch shapes (tokens x hidden x out); the
+# decode models are random Llamas (hidden, intermediate, layers, heads, kv heads, vocab) around the sizes a run on
+# that device trains: the CPU demo's tiny model and two larger ones (which still fit this box's last-level cache:
+# the bandwidth a CPU rank sees is the cache's when its model fits there, so the profile measures that regime).
+PROFILE_SHAPES = {
+    "cpu": {
+        "gemm": [(1024, 256, 680), (1024, 512, 1024), (1024, 1024, 1024)],
+        "copy_bytes": 256 * 2**20,
+        "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096), (768, 2048, 8, 12, 4, 8192)],
+        "decode": [(1, 64), (2, 64), (1, 192), (4, 192)],  # (batch, context): memory-bound on one core
+        "decode_steps": 16,
+        "prefill": [(1, 64), (4, 64), (4, 128), (8, 128)],
+        "train": [(4, 32, 32), (8, 32, 32), (8, 64, 64)],  # (trajectories, prompt, response)
+        "train_mb": 1024,  # micro_batch_tokens (the CPU demo's)
+        "work_model": 1,  # the model prefill and training run on (an index into models)
+        # a smoke run (--seconds < 30): two small models, fewer points
+        "smoke": {
+            "gemm": [(1024, 256, 680), (1024, 512, 1024)],
+            "copy_bytes": 64 * 2**20,
+            "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096)],  # 12 and 86 MB: the decode line
+            "work_model": 0,  # prefill and train on the tiny one
+            "decode": [(1, 32), (2, 32), (1, 96)],
+            "prefill": [(1, 32), (4, 32), (4, 64)],
+            "train": [(4, 16, 16), (8, 16, 32)],
+        },
+    },
+    "cuda": {
+        "gemm": [(8192, 4096, 4096), (8192, 4096, 11008), (16384, 8192, 8192)],
+        "copy_bytes": 2 * 2**30,
+        "models": [(1024, 2816, 16, 16, 4, 32000), (2048, 5632, 16, 16, 4, 32000), (3072, 8192, 20, 24, 8, 32000)],
+        "decode": [(1, 512), (16, 512), (16, 2048), (64, 1024)],
+        "decode_steps": 32,
+        "prefill": [(4, 512), (8, 1024), (16, 1024), (16, 2048)],
+        "train": [(8, 256, 768), (16, 256, 768), (16, 512, 1536)],
+        "train_mb": 16384,
+        "work_model": 1,
+        "smoke": {
+            "models": [(1024, 2816, 8, 16, 4, 32000), (2048, 5632, 8, 16, 4, 32000)],
+            "work_model": 0,
+            "decode": [(1, 512), (16, 512), (16, 2048)],
+            "prefill": [(4, 512), (8, 1024), (16, 1024)],
+            "train": [(8, 256, 768), (16, 256, 768)],
+        },
+    },
+}
+
+
+def profile_device(gpu: GPUType, seconds: float = 120.0, log=print, nominal: str = "type") -> dict:
+    """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
+    one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
+    profile writes it as YAML). `gpu` is the cluster GPU type whose nominal tflops / hbm_tbps the fractions are of.
+      gemm      dense matmuls at training micro-batch shapes in the compute dtype (bf16 on a GPU, fp32 on CPU)
+      copy      large device-to-device copies (bytes read + written)
+      decode    rollout.Generator steps over random HF Llamas at a few batch sizes and contexts; fitted by least
+                squares to step = bytes / bandwidth + overhead, bytes = decode_bytes_per_step (weights + the KV read)
+      prefill   Generator prefill of fresh prompts: step = FLOPs / rate + overhead
+      train     parallel.trainer.Trainer.train_step on one gloo rank (2 PPO minibatches, so the proximal log-prob
+                recompute runs: 4 passes, as cost_model counts them): step = FLOPs / rate + overhead
+    `seconds` is the budget of the timed loops (each point runs at least twice); model builds add a little. A GPU
+    is timed by the wall clock, a CPU by the process's CPU seconds (see `clock` below).
+    nominal "type": the fractions are of gpu's tflops / hbm_tbps; "measured": of this device's own GEMM FLOP/s and
+    copy bandwidth (for a device without a trusted spec-sheet peak, e.g. a CPU core; the planner rescales them to
+    the cluster's numbers)."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollout import Generator, SamplingParams
+
+    start = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
+    dtype = torch.bfloat16 if cuda else torch.float32  # the runtime's dtype "auto"
+    nbytes = 2 if cuda else 4
+    shapes = PROFILE_SHAPES["cuda" if cuda else "cpu"]
+    if seconds < 30:  # a smoke run: smaller models, fewer points
+        shapes = {**shapes, **shapes["smoke"]}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a shared,
+    # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
+    clock = time.perf_counter if cuda else time.process_time
+    share = {"gemm": 0.08, "copy": 0.07, "decode": 0.45, "prefill": 0.15, "train": 0.25}
+
+    def timed(fn, budget_s: float) -> float:
+        """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
+        fn may return its own seconds (a float); otherwise the call is timed here, the device synchronised."""
+        fn()
+        sync()
+        times: list[float] = []
+        until = time.perf_counter() + budget_s
+        while len(times) < 2 or (time.perf_counter() < until and len(times) < 50):
+            t0 = clock()
+            t = fn()
+            sync()
+            times.append(t if isinstance(t, float) else clock() - t0)
+        return _median(times)
+
+    out: dict = {"device": _device_name(torch, device), "dtype": str(dtype).replace("torch.", "")}
+    # (a) GEMM
+    gemm_shapes = shapes["gemm"]
+    gemm = []
+    for m, k, n in gemm_shapes:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        t = timed(lambda a=a, b=b: a @ b, seconds * share["gemm"] / len(gemm_shapes))
+        gemm.append({"shape": [m, k, n], "tflops": 2 * m * k * n / t / 1e12})
+    gemm_tflops = max(g["tflops"] for g in gemm)
+    log(f"gemm:    {gemm_tflops * 1e3:9.1f} GFLOP/s (best of {[round(g['tflops'] * 1e3, 1) for g in gemm]})")
+    # (b) copy
+    src = torch.ones(shapes["copy_bytes"] // nbytes, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    t = timed(lambda dst=dst, src=src: dst.copy_(src), seconds * share["copy"])
+    copy_tbps = 2 * src.numel() * nbytes / t / 1e12
+    del src, dst
+    log(f"copy:    {copy_tbps * 1e3:9.1f} GB/s (read + write)")
+
+    def llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            intermediate_size=i,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg), model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
+
+    rng = torch.Generator().manual_seed(0)
+    next_id = [0]
+
+    def add(gen, vocab: int, count: int, length: int, new_tokens: int) -> None:
+        for p in torch.randint(0, vocab, (count, length), generator=rng).tolist():
+            next_id[0] += 1
+            gen.add_request(next_id[0], p, SamplingParams(max_new_tokens=new_tokens, seed=next_id[0]))
+
+    def drain(gen) -> None:
+        while gen.num_unfinished():
+            gen.step()
+
+    # (c) decode and (d) prefill, through rollout.Generator (the rollout rank's own decode loop)
+    models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
+    steps = shapes["decode_steps"]
+    decode, prefill = [], []
+    for mi, dims in enumerate(models):
+        hf, spec = llama(*dims)
+        hf = hf.to(device=device, dtype=dtype)
+        gen = Generator(
+            hf,
+            max_batch_size=max(b for b, _ in decode_pts + prefill_pts),
+            max_seq_len=max(c for _, c in decode_pts + prefill_pts) + steps + 8,
+        )
+
+        def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
+            add(gen, spec.vocab, b, ctx, steps + 3)
+            gen.step()  # prefill and the first token
+            sync()
+            t0 = clock()
+            for _ in range(steps):
+                gen.step()
+            sync()
+            t = (clock() - t0) / steps
+            drain(gen)
+            return t
+
+        def run_prefill(b: int, length: int, gen=gen, spec=spec) -> None:
+            add(gen, spec.vocab, b, length, 1)
+            drain(gen)
+
+        for b, ctx in decode_pts:
+            t = timed(
+                lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / len(models) / len(decode_pts)
+            )
+            context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
+            decode.append(
+                {
+                    "model": spec.name,
+                    "params": spec.params,
+                    "batch": b,
+                    "context": context,
+                    "bytes": decode_bytes_per_step(spec, b, context, nbytes),
+                    "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
+                    "step_s": t,
+                }
+            )
+        if mi == shapes["work_model"]:
+            for b, length in prefill_pts:
+                t = timed(
+                    lambda b=b, length=length: run_prefill(b, length), seconds * share["prefill"] / len(prefill_pts)
+                )
+                flops = b * (length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
+                prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
+        del gen, hf
+    # (d) a training step of parallel.trainer.Trainer on one rank
+    train = _profile_train(
+        llama(*models[shapes["work_model"]]),
+        shapes["train"],
+        shapes["train_mb"],
+        device,
+        dtype,
+        timed,
+        seconds * share["train"],
+    )
+    out.update(
+        gemm=gemm,
+        gemm_tflops=gemm_tflops,
+        copy_tbps=copy_tbps,
+        decode=decode,
+        prefill=prefill,
+        train=train,
+    )
+    if nominal == "measured":
+        gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
+    return finish_profile(out, gpu, log, time.perf_counter() - start)
+
+
+def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, timed, budget_s: float) -> list[dict]:
+    """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from config import TrainConfig
+    from parallel.groups import build_groups
+    from parallel.rankmap import make_train_plan
+    from parallel.trainer import Trainer
+
+    hf, spec = hf_and_spec  # fp32 master weights; bf16 autocast on a GPU, as the runtime trains
+    rng = torch.Generator().manual_seed(1)
+
+    def trajectories(n: int, prompt: int, response: int) -> list:
+        out = []
+        for i in range(n):
+            ids = torch.randint(0, spec.vocab, (prompt + response,), generator=rng).tolist()
+            out.append(
+                SimpleNamespace(
+                    prompt_id=i,
+                    sample_idx=0,
+                    prompt_ids=ids[:prompt],
+                    response_ids=ids[prompt:],
+                    behav_logprobs=(-9.0 + 0.1 * torch.randn(response, generator=rng)).tolist(),
+                    versions=[0] * response,
+                    reward=0.0,
+                    advantage=float(torch.randn((), generator=rng)),
+                )
+            )
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        own = not dist.is_initialized()
+        if own:
+            backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            groups = build_groups(make_train_plan(1, 1, 1, [(0, spec.layers)]))
+            cfg = TrainConfig(lr=1e-6, ppo_minibatches=2, micro_batch_tokens=micro_batch_tokens, min_microbatches=1)
+            trainer = Trainer(hf, groups, cfg, device, compute_dtype=dtype)
+            rows = []
+            for n, prompt, response in points:
+                batch = trajectories(n, prompt, response)
+                t = timed(lambda batch=batch, trainer=trainer: trainer.train_step(batch), budget_s / len(points))
+                length = prompt + response
+                per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
+                flops = Workload().train_passes * n * per_seq  # forward + backward + the proximal recompute
+                rows.append({"model": spec.name, "trajectories": n, "tokens": n * length, "flops": flops, "step_s": t})
+            del trainer
+        finally:
+            if own:
+                dist.destroy_process_group()
+    return rows
+
+
+def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> dict:
+    """Fit the measured points (profile_device's structure) and add `measured`, `nominal`, `fractions` and
+    `efficiency` (the TypeEfficiency of `gpu` the planner reads); then check it (check_profile_efficiency)."""
+    gemm_rate, copy_rate = out["gemm_tflops"] * 1e12, out["copy_tbps"] * 1e12
+    for p in out["decode"]:  # memory-bound by the raw rates: the bandwidth fit uses only those points
+        p["memory_bound"] = bool(p["flops"] / gemm_rate < 0.5 * p["bytes"] / copy_rate)
+    use = [p for p in out["decode"] if p["memory_bound"]]
+    if len({p["bytes"] for p in use}) < 2:
+        use = out["decode"]
+    bw, overhead, r2_decode = fit_rate([p["bytes"] for p in use], [p["step_s"] for p in use], "decode")
+    prefill_rate, prefill_c, r2_prefill = fit_rate(
+        [p["flops"] for p in out["prefill"]], [p["step_s"] for p in out["prefill"]], "prefill"
+    )
+    train_rate, train_c, r2_train = fit_rate(
+        [p["flops"] for p in out["train"]], [p["step_s"] for p in out["train"]], "train"
+    )
+    peak, hbm = gpu.tflops * 1e12, gpu.hbm_tbps * 1e12
+    out["measured"] = {
+        "gemm_tflops": out["gemm_tflops"],
+        "copy_tbps": out["copy_tbps"],
+        "decode_tbps": bw / 1e12,
+        "decode_overhead_s": overhead,
+        "decode_fit_points": len(use),
+        "decode_r2": r2_decode,
+        "prefill_tflops": prefill_rate / 1e12,
+        "prefill_overhead_s": prefill_c,
+        "prefill_r2": r2_prefill,
+        "train_tflops": train_rate / 1e12,
+        "train_overhead_s": train_c,
+        "train_r2": r2_train,
+    }
+    out["nominal"] = {"gpu_type": gpu.name, "tflops": gpu.tflops, "hbm_tbps": gpu.hbm_tbps}
+    out["fractions"] = {"gemm": gemm_rate / peak, "copy": copy_rate / hbm}  # of the nominal peaks (diagnostic)
+    out["efficiency"] = {
+        "mfu_train": train_rate / peak,
+        "mfu_infer": prefill_rate / peak,
+        "hbm_eff": bw / hbm,
+        "decode_overhead_s": overhead,
+    }
+    out["seconds"] = elapsed
+    m, e = out["measured"], out["efficiency"]
+    log(
+        f"decode:  {m['decode_tbps'] * 1e3:9.2f} GB/s + {m['decode_overhead_s'] * 1e3:.3f} ms/step "
+        f"(least squares over {len(use)} memory-bound points, r2 {r2_decode:.3f})"
+    )
+    log(f"prefill: {m['prefill_tflops'] * 1e3:9.2f} GFLOP/s + {prefill_c * 1e3:.2f} ms (r2 {r2_prefill:.3f})")
+    log(f"train:   {m['train_tflops'] * 1e3:9.2f} GFLOP/s + {train_c * 1e3:.2f} ms/step (r2 {r2_train:.3f})")
+    log(
+        f"{gpu.name} ({gpu.tflops:g} TFLOP/s, {gpu.hbm_tbps:g} TB/s nominal): mfu_train {e['mfu_train']:.3f}, "
+        f"mfu_infer {e['mfu_infer']:.3f}, hbm_eff {e['hbm_eff']:.3f}, decode_overhead_s {e['decode_overhead_s']:.3g} "
+        f"(gemm {out['fractions']['gemm']:.3f}, copy {out['fractions']['copy']:.3f} of nominal)"
+    )
+    check_profile_efficiency(e, f"profile of {out['device']} as {gpu.name}")
+    return out

@@ -3,6 +3,8 @@
     python schedule.py --cluster exp/clusters/hetero_56.yaml --model deepseek-r1-distill-qwen-7b --out plan.json --plot
     python schedule.py --cluster exp/clusters/cpu.yaml --model exp/tiny-model --nproc 4 --out plan.json
     python schedule.py calibrate --plan plan.json --rollout-s 145 --train-s 95 --sync-s 4.75 --out eff.yaml
+    python schedule.py profile --cluster exp/clusters/cpu.yaml --gpu-type cpu --nominal measured --out exp/profiles/cpu.yaml
+    python schedule.py --cluster exp/clusters/cpu.yaml --model exp/tiny-model --nproc 4 --profile exp/profiles/cpu.yaml
 
 The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
   Phase 1a  train_plan      enumerate DP x TP x PP (TP/DP groups of one GPU type, stages may differ in type),
@@ -17,7 +19,8 @@ The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
                             gamma is bisected until C_T ~ C_I (both directions, so training-bound workloads work too),
                             then phases alternate with local moves until the step time is stable for K rounds.
 Then the plan both ways: `to_plan_json` writes the rank map train.py reads (and `planner_from_plan` reads it
-back), `format_table` / `plot_plan` show it, and `calibrate` fits the efficiency constants to measured steps.
+back), `format_table` / `plot_plan` show it, and `calibrate` fits the efficiency constants to measured steps;
+`profile` measures them on this machine's device instead (cost_model.profile_device; the only torch it imports).
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import argparse
 import itertools
 import json
 import math
+import os
 import sys
 import time
 from dataclasses import dataclass, field
@@ -1321,7 +1325,11 @@ def parse_layout(text: str | None) -> tuple[int, int, int] | None:
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     try:
-        return calibrate_main(argv[1:]) if argv[:1] == ["calibrate"] else plan_main(argv)
+        if argv[:1] == ["calibrate"]:
+            return calibrate_main(argv[1:])
+        if argv[:1] == ["profile"]:
+            return profile_main(argv[1:])
+        return plan_main(argv)
     except (PlanError, cm.SpecError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -1334,6 +1342,9 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--gpus", "--nproc", dest="nproc", type=int, default=None, help="resize a one-machine cluster")
     workload_args(ap)
     ap.add_argument("--efficiency", default=None, help="efficiency YAML from `schedule.py calibrate`")
+    ap.add_argument(
+        "--profile", action="append", default=[], help="device profile YAML from `schedule.py profile` (repeatable)"
+    )
     ap.add_argument("--budget", type=float, default=None, help="max $/hour: best whole-machine sub-cluster")
     ap.add_argument("--min-tokens-per-s", type=float, default=None, help="cheapest sub-cluster reaching this")
     ap.add_argument("--train-layout", default=None, help="force the trainer layout dp,tp,pp")
@@ -1351,11 +1362,14 @@ def plan_main(argv: list[str]) -> int:
     cluster = cm.load_cluster(a.cluster, a.nproc)
     if a.exhaustive and cluster.n_gpus > 16:
         raise PlanError(f"--exhaustive is for small clusters (<= 16 GPUs), this one has {cluster.n_gpus}")
+    eff = Efficiency.load(a.efficiency)
+    for path in a.profile:  # a profile sets its GPU type's efficiencies and decode overhead
+        eff = cm.apply_profile(eff, cluster, cm.load_profile(path), path)
     result = plan(
         cluster,
         cm.load_model_spec(a.model),
         workload_from(a),
-        Efficiency.load(a.efficiency),
+        eff,
         budget=a.budget,
         min_tokens_per_s=a.min_tokens_per_s,
         exhaustive=a.exhaustive,
@@ -1413,6 +1427,47 @@ def calibrate_main(argv: list[str]) -> int:
     with open(a.out, "w") as f:
         yaml.safe_dump(eff.to_dict(), f, sort_keys=False)
     print(f"wrote {a.out}: {json.dumps(eff.to_dict())}")
+    return 0
+
+
+def profile_main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(
+        description="Profile this machine's device (CUDA if present, else one CPU core) with torch and the runtime's "
+        "own code, and write a device profile: the cost model's efficiencies of a cluster GPU type."
+    )
+    ap.add_argument("--cluster", default="exp/clusters/cpu.yaml", help="cluster YAML holding --gpu-type")
+    ap.add_argument("--gpu-type", default=None, help="the type whose nominal numbers the fractions are of")
+    ap.add_argument("--seconds", type=float, default=120.0, help="budget of the timed loops (total < 3 min)")
+    ap.add_argument("--out", default=None, help="profile YAML (default exp/profiles/<gpu type>.yaml)")
+    ap.add_argument(
+        "--nominal",
+        choices=("type", "measured"),
+        default="type",
+        help="fractions of --gpu-type's tflops / hbm_tbps, or of this device's measured GEMM and copy rates "
+        "(for a device with no trusted peak, e.g. a CPU core; the planner rescales them to the cluster's numbers)",
+    )
+    a = ap.parse_args(argv)
+    import yaml
+
+    cluster = cm.load_cluster(a.cluster)
+    gpu_type = a.gpu_type or (next(iter(cluster.gpu_types)) if len(cluster.gpu_types) == 1 else None)
+    if gpu_type not in cluster.gpu_types:
+        raise cm.SpecError(
+            f"--gpu-type {a.gpu_type!r}: give one of cluster {cluster.name}'s GPU types {sorted(cluster.gpu_types)}"
+        )
+    if a.seconds <= 0:
+        raise PlanError(f"--seconds must be > 0, got {a.seconds}")
+    out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
+    prof = cm.profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal)
+    doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
+    for key in ("efficiency", "measured", "nominal", "fractions", "dtype", "seconds"):
+        doc[key] = prof.pop(key)
+    doc["points"] = prof  # the raw measurements the constants were fitted to
+    cm.profile_from_dict(doc, out)  # what the planner will read back
+    os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+    with open(out, "w") as f:
+        yaml.safe_dump(json.loads(json.dumps(doc)), f, sort_keys=False)
+    print(f"wrote {out} ({doc['seconds']:.0f} s): {json.dumps(doc['efficiency'])}")
     return 0
 
 

@@ -134,6 +134,24 @@ def test_decode_roofline_regimes():
     assert cm.decode_round_s(model, H20, eff, 1, 1, 1, 0.0, 2, 5.0) == pytest.approx(t / 2)
 
 
+def test_decode_round_is_bytes_over_bandwidth_plus_the_per_step_overhead():
+    """Memory-bound decode: one step = decode_bytes_per_step / (hbm_tbps x hbm_eff) + decode_overhead_s; the default
+    overhead 0 leaves the round time exactly as it was (no shipped plan changes)."""
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
+    eff = cm.TypeEfficiency(mfu_infer=0.5, hbm_eff=0.6)
+    for batch, context in ((1, 100.0), (16, 2000.0), (32, 4000.0)):
+        t = cm.decode_round_s(model, H20, eff, 1, 1, batch, context, 2, 5.0)
+        memory = cm.decode_bytes_per_step(model, batch, context, 2) / (H20.hbm_tbps * 1e12 * eff.hbm_eff)
+        assert t == pytest.approx(memory, rel=1e-12)  # memory-bound on H20 at these batches
+        slow = cm.TypeEfficiency(mfu_infer=0.5, hbm_eff=0.6, decode_overhead_s=0.004)
+        assert cm.decode_round_s(model, H20, slow, 1, 1, batch, context, 2, 5.0) == t + 0.004
+        zero = cm.TypeEfficiency(mfu_infer=0.5, hbm_eff=0.6, decode_overhead_s=0.0)
+        assert cm.decode_round_s(model, H20, zero, 1, 1, batch, context, 2, 5.0) == t
+    # an efficiency YAML written before the field existed still loads, with overhead 0
+    old = cm.Efficiency.from_dict({"per_type": {"H20": {"mfu_train": 0.3, "mfu_infer": 0.5, "hbm_eff": 0.6}}})
+    assert old.of("H20").decode_overhead_s == 0.0
+
+
 def test_replica_memory_limits_batch_and_feasibility():
     wl = cm.Workload(gen_samples=[4000], max_batch=10**6)
     eff = cm.Efficiency()
