@@ -20,7 +20,7 @@ The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
                             then phases alternate with local moves until the step time is stable for K rounds.
 Then the plan both ways: `to_plan_json` writes the rank map train.py reads (and `planner_from_plan` reads it
 back), `format_table` / `plot_plan` show it, and `calibrate` fits the efficiency constants to measured steps;
-`profile` measures them on this machine's device instead (cost_model.profile_device; the only torch it imports).
+`profile` measures them on this machine's device instead (device_profile.profile_device; the only torch it imports).
 """
 
 from __future__ import annotations
@@ -1458,7 +1458,9 @@ def profile_main(argv: list[str]) -> int:
     if a.seconds <= 0:
         raise PlanError(f"--seconds must be > 0, got {a.seconds}")
     out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
-    prof = cm.profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal)
+    from device_profile import profile_device
+
+    prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal)
     doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
     for key in ("efficiency", "measured", "nominal", "fractions", "dtype", "seconds"):
         doc[key] = prof.pop(key)

@@ -1,0 +1,309 @@
+"""Measuring a device for the planner (`schedule.py profile`): the runtime's own code -- GEMMs at training shapes,
+large copies, rollout.Generator decode and prefill steps, parallel.trainer.Trainer steps -- timed on this machine's
+device (CUDA if there is one, else one CPU core), then fitted by cost_model.finish_profile into the cost model's
+constants (mfu_train, mfu_infer, hbm_eff, decode_overhead_s). Apart from the planner's arithmetic, which stays in
+cost_model (no torch), this is the one place the planner side runs the runtime."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import cost_model as cm
+
+
+def _device_name(torch, device) -> str:
+    import platform
+
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    name = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            name = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), name)
+    except OSError:
+        pass
+    return f"{name} (CPU, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+# Shapes the profile runs, per device kind. GEMMs are training micro-batch shapes (tokens x hidden x out); the
+# decode models are random Llamas (hidden, intermediate, layers, heads, kv heads, vocab) around the sizes a run on
+# that device trains: the CPU demo's tiny model and two larger ones (which still fit this box's last-level cache:
+# the bandwidth a CPU rank sees is the cache's when its model fits there, so the profile measures that regime).
+PROFILE_SHAPES = {
+    "cpu": {
+        "gemm": [(1024, 256, 680), (1024, 512, 1024), (1024, 1024, 1024)],
+        "copy_bytes": 256 * 2**20,
+        "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096), (768, 2048, 8, 12, 4, 8192)],
+        "decode": [(1, 64), (2, 64), (1, 192), (4, 192)],  # (batch, context): memory-bound on one core
+        "decode_steps": 16,
+        "prefill": [(1, 64), (4, 64), (4, 128), (8, 128)],
+        "train": [(4, 32, 32), (8, 32, 32), (8, 64, 64)],  # (trajectories, prompt, response)
+        "train_mb": 1024,  # micro_batch_tokens (the CPU demo's)
+        "work_model": 1,  # the model prefill and training run on (an index into models)
+        # a smoke run (--seconds < 30): two small models, fewer points
+        "smoke": {
+            "gemm": [(1024, 256, 680), (1024, 512, 1024)],
+            "copy_bytes": 64 * 2**20,
+            "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096)],  # 12 and 86 MB: the decode line
+            "work_model": 0,  # prefill and train on the tiny one
+            "decode": [(1, 32), (2, 32), (1, 96)],
+            "prefill": [(1, 32), (4, 32), (4, 64)],
+            "train": [(4, 16, 16), (8, 16, 32)],
+        },
+    },
+    "cuda": {
+        "gemm": [(8192, 4096, 4096), (8192, 4096, 11008), (16384, 8192, 8192)],
+        "copy_bytes": 2 * 2**30,
+        "models": [(1024, 2816, 16, 16, 4, 32000), (2048, 5632, 16, 16, 4, 32000), (3072, 8192, 20, 24, 8, 32000)],
+        "decode": [(1, 512), (16, 512), (16, 2048), (64, 1024)],
+        "decode_steps": 32,
+        "prefill": [(4, 512), (8, 1024), (16, 1024), (16, 2048)],
+        "train": [(8, 256, 768), (16, 256, 768), (16, 512, 1536)],
+        "train_mb": 16384,
+        "work_model": 1,
+        "smoke": {
+            "models": [(1024, 2816, 8, 16, 4, 32000), (2048, 5632, 8, 16, 4, 32000)],
+            "work_model": 0,
+            "decode": [(1, 512), (16, 512), (16, 2048)],
+            "prefill": [(4, 512), (8, 1024), (16, 1024)],
+            "train": [(8, 256, 768), (16, 256, 768)],
+        },
+    },
+}
+
+
+def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type") -> dict:
+    """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
+    one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
+    profile writes it as YAML). `gpu` is the cluster GPU type whose nominal tflops / hbm_tbps the fractions are of.
+      gemm      dense matmuls at training micro-batch shapes in the compute dtype (bf16 on a GPU, fp32 on CPU)
+      copy      large device-to-device copies (bytes read + written)
+      decode    rollout.Generator steps over random HF Llamas at a few batch sizes and contexts; fitted by least
+                squares to step = bytes / bandwidth + overhead, bytes = cm.decode_bytes_per_step (weights + the KV read)
+      prefill   Generator prefill of fresh prompts: step = FLOPs / rate + overhead
+      train     parallel.trainer.Trainer.train_step on one gloo rank (2 PPO minibatches, so the proximal log-prob
+                recompute runs: 4 passes, as cost_model counts them): step = FLOPs / rate + overhead
+    `seconds` is the budget of the timed loops (each point runs at least twice); model builds add a little. A GPU
+    is timed by the wall clock, a CPU by the process's CPU seconds (see `clock` below).
+    nominal "type": the fractions are of gpu's tflops / hbm_tbps; "measured": of this device's own GEMM FLOP/s and
+    copy bandwidth (for a device without a trusted spec-sheet peak, e.g. a CPU core; the planner rescales them to
+    the cluster's numbers)."""
+    import time
+
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollout import Generator, SamplingParams
+
+    start = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    device = torch.device("cuda" if cuda else "cpu")
+    if not cuda:
+        torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
+    dtype = torch.bfloat16 if cuda else torch.float32  # the runtime's dtype "auto"
+    nbytes = 2 if cuda else 4
+    shapes = PROFILE_SHAPES["cuda" if cuda else "cpu"]
+    if seconds < 30:  # a smoke run: smaller models, fewer points
+        shapes = {**shapes, **shapes["smoke"]}
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a shared,
+    # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
+    clock = time.perf_counter if cuda else time.process_time
+    share = {"gemm": 0.08, "copy": 0.07, "decode": 0.45, "prefill": 0.15, "train": 0.25}
+
+    def timed(fn, budget_s: float) -> float:
+        """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
+        fn may return its own seconds (a float); otherwise the call is timed here, the device synchronised."""
+        fn()
+        sync()
+        times: list[float] = []
+        until = time.perf_counter() + budget_s
+        while len(times) < 2 or (time.perf_counter() < until and len(times) < 50):
+            t0 = clock()
+            t = fn()
+            sync()
+            times.append(t if isinstance(t, float) else clock() - t0)
+        return _median(times)
+
+    out: dict = {"device": _device_name(torch, device), "dtype": str(dtype).replace("torch.", "")}
+    # (a) GEMM
+    gemm_shapes = shapes["gemm"]
+    gemm = []
+    for m, k, n in gemm_shapes:
+        a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+        t = timed(lambda a=a, b=b: a @ b, seconds * share["gemm"] / len(gemm_shapes))
+        gemm.append({"shape": [m, k, n], "tflops": 2 * m * k * n / t / 1e12})
+    gemm_tflops = max(g["tflops"] for g in gemm)
+    log(f"gemm:    {gemm_tflops * 1e3:9.1f} GFLOP/s (best of {[round(g['tflops'] * 1e3, 1) for g in gemm]})")
+    # (b) copy
+    src = torch.ones(shapes["copy_bytes"] // nbytes, device=device, dtype=dtype)
+    dst = torch.empty_like(src)
+    t = timed(lambda dst=dst, src=src: dst.copy_(src), seconds * share["copy"])
+    copy_tbps = 2 * src.numel() * nbytes / t / 1e12
+    del src, dst
+    log(f"copy:    {copy_tbps * 1e3:9.1f} GB/s (read + write)")
+
+    def llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
+        cfg = LlamaConfig(
+            vocab_size=vocab,
+            hidden_size=h,
+            intermediate_size=i,
+            num_hidden_layers=layers,
+            num_attention_heads=heads,
+            num_key_value_heads=kv,
+            max_position_embeddings=4096,
+            tie_word_embeddings=False,
+        )
+        torch.manual_seed(0)
+        return LlamaForCausalLM(cfg), cm.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
+
+    rng = torch.Generator().manual_seed(0)
+    next_id = [0]
+
+    def add(gen, vocab: int, count: int, length: int, new_tokens: int) -> None:
+        for p in torch.randint(0, vocab, (count, length), generator=rng).tolist():
+            next_id[0] += 1
+            gen.add_request(next_id[0], p, SamplingParams(max_new_tokens=new_tokens, seed=next_id[0]))
+
+    def drain(gen) -> None:
+        while gen.num_unfinished():
+            gen.step()
+
+    # (c) decode and (d) prefill, through rollout.Generator (the rollout rank's own decode loop)
+    models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
+    steps = shapes["decode_steps"]
+    decode, prefill = [], []
+    for mi, dims in enumerate(models):
+        hf, spec = llama(*dims)
+        hf = hf.to(device=device, dtype=dtype)
+        gen = Generator(
+            hf,
+            max_batch_size=max(b for b, _ in decode_pts + prefill_pts),
+            max_seq_len=max(c for _, c in decode_pts + prefill_pts) + steps + 8,
+        )
+
+        def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
+            add(gen, spec.vocab, b, ctx, steps + 3)
+            gen.step()  # prefill and the first token
+            sync()
+            t0 = clock()
+            for _ in range(steps):
+                gen.step()
+            sync()
+            t = (clock() - t0) / steps
+            drain(gen)
+            return t
+
+        def run_prefill(b: int, length: int, gen=gen, spec=spec) -> None:
+            add(gen, spec.vocab, b, length, 1)
+            drain(gen)
+
+        for b, ctx in decode_pts:
+            t = timed(
+                lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / len(models) / len(decode_pts)
+            )
+            context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
+            decode.append(
+                {
+                    "model": spec.name,
+                    "params": spec.params,
+                    "batch": b,
+                    "context": context,
+                    "bytes": cm.decode_bytes_per_step(spec, b, context, nbytes),
+                    "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
+                    "step_s": t,
+                }
+            )
+        if mi == shapes["work_model"]:
+            for b, length in prefill_pts:
+                t = timed(
+                    lambda b=b, length=length: run_prefill(b, length), seconds * share["prefill"] / len(prefill_pts)
+                )
+                flops = b * (length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
+                prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
+        del gen, hf
+    # (d) a training step of parallel.trainer.Trainer on one rank
+    train = _profile_train(
+        llama(*models[shapes["work_model"]]),
+        shapes["train"],
+        shapes["train_mb"],
+        device,
+        dtype,
+        timed,
+        seconds * share["train"],
+    )
+    out.update(
+        gemm=gemm,
+        gemm_tflops=gemm_tflops,
+        copy_tbps=copy_tbps,
+        decode=decode,
+        prefill=prefill,
+        train=train,
+    )
+    if nominal == "measured":
+        gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
+    return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
+
+
+def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, timed, budget_s: float) -> list[dict]:
+    """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories."""
+    import tempfile
+    from types import SimpleNamespace
+
+    import torch
+    import torch.distributed as dist
+
+    from config import TrainConfig
+    from parallel.groups import build_groups
+    from parallel.rankmap import make_train_plan
+    from parallel.trainer import Trainer
+
+    hf, spec = hf_and_spec  # fp32 master weights; bf16 autocast on a GPU, as the runtime trains
+    rng = torch.Generator().manual_seed(1)
+
+    def trajectories(n: int, prompt: int, response: int) -> list:
+        out = []
+        for i in range(n):
+            ids = torch.randint(0, spec.vocab, (prompt + response,), generator=rng).tolist()
+            out.append(
+                SimpleNamespace(
+                    prompt_id=i,
+                    sample_idx=0,
+                    prompt_ids=ids[:prompt],
+                    response_ids=ids[prompt:],
+                    behav_logprobs=(-9.0 + 0.1 * torch.randn(response, generator=rng)).tolist(),
+                    versions=[0] * response,
+                    reward=0.0,
+                    advantage=float(torch.randn((), generator=rng)),
+                )
+            )
+        return out
+
+    with tempfile.TemporaryDirectory() as tmp:
+        own = not dist.is_initialized()
+        if own:
+            backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+            dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        try:
+            groups = build_groups(make_train_plan(1, 1, 1, [(0, spec.layers)]))
+            cfg = TrainConfig(lr=1e-6, ppo_minibatches=2, micro_batch_tokens=micro_batch_tokens, min_microbatches=1)
+            trainer = Trainer(hf, groups, cfg, device, compute_dtype=dtype)
+            rows = []
+            for n, prompt, response in points:
+                batch = trajectories(n, prompt, response)
+                t = timed(lambda batch=batch, trainer=trainer: trainer.train_step(batch), budget_s / len(points))
+                length = prompt + response
+                per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
+                flops = cm.Workload().train_passes * n * per_seq  # forward + backward + the proximal recompute
+                rows.append({"model": spec.name, "trajectories": n, "tokens": n * length, "flops": flops, "step_s": t})
+            del trainer
+        finally:
+            if own:
+                dist.destroy_process_group()
+    return rows
