@@ -163,6 +163,11 @@ class DistConfig:
     # each role's process is capped at its fraction of the device (torch.cuda.set_per_process_memory_fraction;
     # 0 = no cap) -- the rollout's KV pool is sized from what its cap leaves.
     colocate: bool = False
+    # How an owner hands a weight bucket to a rollout relay: wire (over the process group) | shared (in shared memory:
+    # CUDA IPC on a GPU, a /dev/shm file on CPU; needs every rank on one host, i.e. dist.colocate) | auto (shared
+    # when colocated: 1.17x faster on CPU, exp/bench_weight_sync.py --handover wire,shared; on a GPU one device copy
+    # instead of device -> pinned host -> socket -> pinned host -> device, measured by exp/gpu_check.sh).
+    handover: str = "auto"
     train_memory_fraction: float = 0.0
     rollout_memory_fraction: float = 0.0
 
@@ -335,6 +340,12 @@ def validate(cfg: Config) -> None:
         (
             cfg.train.loss_aggregation in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"),
             "train.loss_aggregation must be token-mean|seq-mean-token-mean|seq-mean-token-sum",
+        ),
+        (cfg.dist.handover in ("auto", "wire", "shared"), "dist.handover must be auto|wire|shared"),
+        (
+            cfg.dist.handover != "shared" or cfg.dist.colocate,
+            "dist.handover=shared hands weights over in this host's memory: it needs dist.colocate=true (every rank "
+            "on one host)",
         ),
         (
             0 <= cfg.dist.train_memory_fraction <= 1 and 0 <= cfg.dist.rollout_memory_fraction <= 1,

@@ -135,6 +135,14 @@ def share_device(cfg: Config, plan: dict, groups, device: torch.device) -> None:
         torch.cuda.set_per_process_memory_fraction(fraction, device)
 
 
+def weight_handover(cfg: Config) -> str:
+    """How owners hand weight buckets to rollout relays (parallel/weight_sync.py): in shared memory when every rank
+    is on this host (dist.colocate), over the process group otherwise."""
+    if cfg.dist.handover == "auto":
+        return "shared" if cfg.dist.colocate else "wire"
+    return cfg.dist.handover
+
+
 def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     if cfg.model.dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -383,6 +391,7 @@ class TrainHead:
             self._sync_layout = {
                 "buckets": [bucket_meta(b, self.trainer.full_shapes, self.sync_dtype) for b in buckets],
                 "verify": self.cfg.dist.verify_weights,
+                "handover": weight_handover(self.cfg),
             }
             # the planner's number for this schedule: cost_model's buckets of the model spec, not the trainer's own
             spec = cm.model_from_config(self.trainer.hf_config.to_dict())
@@ -412,6 +421,7 @@ class TrainHead:
                 self.sync_predicted_bytes = cm.sync_bytes_sent(self.planned_buckets, len(senders))
             args = {"senders": senders, "dtype": str(self.sync_dtype), "bucket_bytes": self.bucket_bytes}
             args["timeout_s"], args["verify"] = self.cfg.dist.rollout_timeout_s, self.cfg.dist.verify_weights
+            args["handover"] = layout["handover"]
             self.command("sync", args=args)
             with self.collective(), self.throttle.piece("link"):
                 failed, sent = send_version(self.trainer, **{**args, "dtype": self.sync_dtype})
@@ -510,6 +520,7 @@ class TrainHead:
                 "weight_sync_bytes": self.sync_bytes,
                 "weight_sync_predicted_bytes": self.sync_predicted_bytes,
                 "weight_sync_dtype": str(self.sync_dtype).removeprefix("torch."),
+                "weight_sync_handover": weight_handover(self.cfg),
             }
             if self.emulated:
                 sync["emulated"] = self.emulated

@@ -13,6 +13,8 @@ applied it (a barrier):
            whole model, receives everything, then checksums and applies it.
   runtime  cost_model.sync_buckets streamed from the owner in the compute dtype, one copy per machine (a relay
            forwards to its machine-mates), at most 2 buckets alive per side, checksums a chunk at a time.
+  shared   (--handover wire,shared) the same, but the owner hands each bucket to the relay in shared memory
+           (dist.handover=shared: CUDA IPC on a GPU, a /dev/shm file on CPU); the relay forwards on the wire.
 Runs interleave (before, runtime, before, ...) and report medians; both paths' replicas end bitwise equal to the
 trainer's weights in `--dtype` (checked).
 
@@ -163,11 +165,13 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
             gen = Generator(model, max_batch_size=2, max_seq_len=32)
             shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
             channel = Channel([0], namespace=f"bench/{name}")
-        times = {"before": [], "runtime": []}
+        times = {"before": [], "runtime": [], "shared": []}
         sent = {}
         repeats = args.repeats if name == "bench" else max(2, args.repeats // 2)
-        # the path before ran on host memory: on CUDA only the runtime's is timed
+        # the path before ran on host memory: on CUDA only the runtime's is timed; "runtime" is the wire hand-over
         paths = ("before", "runtime") if name == "bench" and device.type == "cpu" else ("runtime",)
+        if name == "bench" and "shared" in args.handover.split(","):
+            paths += ("shared",)
         for _ in range(repeats):
             for path in paths:
                 version += 1
@@ -179,11 +183,12 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
                 if groups.is_train and path == "before":
                     sent[path] = old_send(trainer, leaders, bucket_bytes)
                 elif groups.is_train:
+                    handover = "shared" if path == "shared" else "wire"
                     routes, senders = plan_version(leaders, groups)
                     for leader in routes:
                         msg = weights_message(leader, routes, senders, groups)
-                        channel.send(leader, "weights", version=version, **layout, **msg)
-                    failed, sent[path] = send_version(trainer, senders, dtype, bucket_bytes, 300, True)
+                        channel.send(leader, "weights", version=version, **layout, **msg, handover=handover)
+                    failed, sent[path] = send_version(trainer, senders, dtype, bucket_bytes, 300, True, handover)
                     assert not failed, failed
                 elif path == "before":
                     old_receive(gen, shapes, bucket_bytes, version)
@@ -268,6 +273,13 @@ def report(results: dict, args) -> None:
         f"fitted on fit-a/fit-b: achieved {eff.link_eff:.2f} GB/s (planner link at 1 GB/s nominal), "
         f"latency {eff.sync_latency_s * 1e3:.1f} ms"
     )
+    shared = bench["seconds"].get("shared")
+    if shared:
+        faster = "shared" if shared < runtime else "wire"
+        print(
+            f"hand-over to the relay: wire {runtime:.3f} s vs shared memory {shared:.3f} s per version "
+            f"({runtime / shared:.2f}x): {faster} is faster"
+        )
     versus = f" vs before {before:.3f} s = {before / runtime:.2f}x faster" if before else ""
     print(
         f"bench ({bench['params'] / 1e6:.1f}M params, {args.device}): runtime {runtime:.3f} s{versus}; planner "
@@ -283,6 +295,8 @@ def report(results: dict, args) -> None:
                 "speedup": before / runtime if before else None,
                 "runtime_s": runtime,
                 "before_s": before,
+                "shared_s": shared,
+                "faster_handover": ("shared" if shared < runtime else "wire") if shared else None,
                 "predicted_s": predicted,
                 "error": (runtime - predicted) / predicted,
                 "bitwise": all(results["bitwise"]),
@@ -298,6 +312,12 @@ def main() -> None:
     ap.add_argument("--bucket-mb", type=float, default=64.0)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--direct", action="store_true", help="no relay: the owner sends to every replica itself")
+    ap.add_argument(
+        "--handover",
+        default="wire",
+        help="owner -> relay hand-overs timed on the bench model: wire (the process group; the 'runtime' rows), "
+        "wire,shared (also shared memory: dist.handover=shared, CUDA IPC on a GPU, /dev/shm on CPU)",
+    )
     ap.add_argument("--device", default="cpu", help="cpu, or cuda: every rank on the one GPU (the colocated hand-over)")
     ap.add_argument(
         "--bench-shape",

@@ -46,6 +46,7 @@ import torch.distributed as dist
 import cost_model as cm
 from errors import HexrlError
 from parallel.channel import PeerTimeout, wait_work
+from parallel.handover import DESCRIPTOR_BYTES, OpenedSlots, SharedSlots, open_slots
 
 
 class WeightSyncError(HexrlError, RuntimeError):
@@ -62,6 +63,7 @@ ABANDONED: list[torch.Tensor] = []  # buffers of sends to failed peers: the back
 FAULT_ENV = "HEXRL_FAULT_IN_WEIGHT_SYNC"
 # "1": stage every bucket through host memory even on CPU, so the tests run the colocated GPU path's code
 STAGE_ENV = "HEXRL_STAGE_WEIGHTS_THROUGH_HOST"
+HANDOVERS = ("wire", "shared")  # how an owner hands a bucket to a relay: the process group, or shared memory
 
 
 def staged_through_host(device: torch.device) -> bool:
@@ -199,6 +201,86 @@ class BucketStream:
         return self.failed
 
 
+class SlotStream:
+    """The same-host hand-over (dist.handover=shared): the owner writes each bucket into one of IN_FLIGHT shared slots
+    (parallel/handover.py) and sends each relay only the bucket's index; the relay applies the bucket from the slot
+    and answers with the index, which frees the slot. The slots' handle goes to every relay first, once per version,
+    and each relay confirms it has mapped them. A relay that does not answer within `timeout_s` is marked failed."""
+
+    def __init__(self, links: dict[int, object], timeout_s: float, what: str, slot_bytes: int, device: torch.device):
+        self.links, self.timeout_s, self.what, self.device = links, timeout_s, what, device
+        self.in_flight: deque = deque()
+        self.failed: dict[int, str] = {}
+        self.bytes_sent = 0
+        self.slots = SharedSlots(IN_FLIGHT, slot_bytes, device) if links else None
+        if self.slots is not None:
+            self._post(self.slots.descriptor, -1)
+            self._wait_oldest()
+            self.slots.release_name()
+
+    def _post(self, message: torch.Tensor, index: int) -> None:
+        works = []
+        for dst, group in self.links.items():
+            if dst in self.failed:
+                continue
+            ack = torch.full((1,), -2, dtype=torch.int64)
+            try:
+                works.append(
+                    (dst, dist.isend(message, dst=dst, group=group), ack, dist.irecv(ack, src=dst, group=group))
+                )
+            except RuntimeError as e:  # the link is closed already
+                self.failed[dst] = str(e).splitlines()[0][:200]
+        self.in_flight.append((index, message, works))
+
+    def _wait_oldest(self) -> None:
+        index, message, works = self.in_flight.popleft()
+        for dst, sent, ack, answered in works:
+            if dst in self.failed:
+                ABANDONED.extend((message, ack))
+                continue
+            try:
+                wait_work(sent, self.timeout_s, [dst], self.what)
+                wait_work(answered, self.timeout_s, [dst], self.what)
+            except PeerTimeout as e:
+                self.failed[dst] = str(e)
+                ABANDONED.extend((message, ack))
+                continue
+            if int(ack.item()) != index:
+                self.failed[dst] = f"rank {dst} answered bucket {int(ack.item())} for bucket {index}"
+
+    def reserve(self) -> None:
+        """Call before filling the next slot: afterwards at most IN_FLIGHT - 1 are still being read."""
+        while len(self.in_flight) >= IN_FLIGHT:
+            self._wait_oldest()
+
+    def slot(self, index: int, nbytes: int) -> torch.Tensor:
+        return self.slots.slot(index, nbytes)
+
+    def send(self, index: int, nbytes: int) -> None:
+        """Bucket `index` is in its slot: tell every live relay."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # the slot's bytes are written before any relay reads them
+        live = len([d for d in self.links if d not in self.failed])
+        self._post(torch.tensor([index], dtype=torch.int64), index)
+        self.bytes_sent += nbytes * live
+
+    def close(self) -> dict[int, str]:
+        while self.in_flight:
+            self._wait_oldest()
+        if self.slots is not None:
+            self.slots.close()
+        return self.failed
+
+
+def receive_slots(src: int, group, device: torch.device) -> OpenedSlots:
+    """A relay's side of a SlotStream's handshake: map the owner's slots and confirm."""
+    descriptor = torch.zeros(DESCRIPTOR_BYTES, dtype=torch.uint8)
+    dist.recv(descriptor, src=src, group=group)
+    slots = open_slots(descriptor, device)
+    dist.send(torch.tensor([-1], dtype=torch.int64), dst=src, group=group)
+    return slots
+
+
 def routes(leaders: list[int], machine_of: dict[int, int]) -> dict[int, tuple[int | None, list[int]]]:
     """leader -> (source, forward_to): per machine its lowest leader is the relay (source None: from the owners)
     and forwards to the others, whose source is the relay."""
@@ -239,13 +321,23 @@ def mate_link(links: dict, a: int, b: int):
 
 # ----------------------------------------------------------------------------------------------- train side
 def send_version(
-    trainer, senders: dict, dtype: torch.dtype, bucket_bytes: int, timeout_s: float, verify: bool
+    trainer,
+    senders: dict,
+    dtype: torch.dtype,
+    bucket_bytes: int,
+    timeout_s: float,
+    verify: bool,
+    handover: str = "wire",
 ) -> tuple[list[int], int]:
     """COLLECTIVE over the train group (every train rank calls it, in the same order as the head's `sync`).
 
     `senders`: relay -> for each stage the DP replica that sends it (plan_version). Each (DP replica, stage) with
     relays to serve streams its stage's buckets to them: its owner (tp 0) sends, its TP peers gather into it.
-    Returns the relays that failed and the bytes all owners sent, the same on every train rank."""
+    `handover`: "wire" sends each bucket over the process group, "shared" hands it over in shared memory (the
+    relays are on this host: SlotStream). Returns the relays that failed and the bytes all owners sent (bucket
+    bytes per relay either way), the same on every train rank."""
+    if handover not in HANDOVERS:
+        raise ValueError(f"weight hand-over must be one of {HANDOVERS}, got {handover!r}")
     g = trainer.groups
     mine = [int(r) for r, dps in senders.items() if dps[g.pp_rank] == g.dp_rank]
     # under FSDP a stage's weights are spread over its DP replicas: all of them gather while any one sends
@@ -257,16 +349,28 @@ def send_version(
         itemsize = torch.empty((), dtype=dtype).element_size()
         buckets = [b for b in trainer.sync_buckets(itemsize, bucket_bytes) if b.stage == g.pp_rank]
         links = {r: g.weight_links[("owners", r)] for r in mine} if owner else {}
-        stream = BucketStream(links, timeout_s, "a rollout relay to receive weights")
-        for bucket in buckets:
+        what = "a rollout relay to receive weights"
+        shared = handover == "shared"
+        if shared:
+            slot_bytes = max((b.wire_bytes for b in buckets), default=1)
+            stream = SlotStream(links, timeout_s, what, slot_bytes, trainer.device)
+        else:
+            stream = BucketStream(links, timeout_s, what)
+        for index, bucket in enumerate(buckets):
             buf = None
             if owner:
                 stream.reserve()
-                buf = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=trainer.device)
+                if shared:
+                    buf = stream.slot(index, bucket.wire_bytes)
+                else:
+                    buf = torch.empty(bucket.wire_bytes, dtype=torch.uint8, device=trainer.device)
             trainer.fill_bucket(bucket, None if buf is None else payload_view(buf, bucket, dtype), dtype, bool(mine))
             if owner:
                 seal(buf, bucket, verify)
-                stream.send(to_wire(buf, trainer.device))
+                if shared:
+                    stream.send(index, bucket.wire_bytes)
+                else:
+                    stream.send(to_wire(buf, trainer.device))
             del buf
         failed = stream.close()
         sent = stream.bytes_sent
@@ -293,15 +397,35 @@ def receive_version(
     forward = BucketStream(
         {m: mate_link(links, me, m) for m in msg["forward"]}, forward_timeout_s, "a machine-mate to take weights"
     )
+    # the owners hand over through shared slots (SlotStream) only to relays; mates always get the wire
+    shared = msg.get("handover", "wire") == "shared" and msg["source"] is None
+    opened: dict[int, OpenedSlots] = {}
     n = len(msg["buckets"])
+    # each owner numbers its own buckets from 0 (send_version walks its stage's buckets)
+    index_in_stage: dict[int, int] = {}
     for i, meta in enumerate(msg["buckets"]):
         src = msg["owners"][meta["stage"]] if msg["source"] is None else msg["source"]
         group = links[("owners", me)] if msg["source"] is None else mate_link(links, me, src)
+        index = index_in_stage.get(meta["stage"], 0)
+        index_in_stage[meta["stage"]] = index + 1
         forward.reserve()
-        buf = wire_buffer(meta["wire_bytes"], device)
         try:
-            dist.recv(buf, src=src, group=group)
+            if shared:
+                if src not in opened:
+                    opened[src] = receive_slots(src, group, device)
+                ready = torch.full((1,), -2, dtype=torch.int64)
+                dist.recv(ready, src=src, group=group)
+                if int(ready.item()) != index:
+                    raise WeightSyncError(f"rank {src} handed over bucket {int(ready.item())}, expected {index}")
+                slot = opened[src].slot(index, meta["wire_bytes"])
+                # a bucket to forward is copied out first, so the owner may refill the slot while it travels on
+                buf = wire_buffer(meta["wire_bytes"], device).copy_(slot) if msg["forward"] else slot
+            else:
+                buf = wire_buffer(meta["wire_bytes"], device)
+                dist.recv(buf, src=src, group=group)
         except RuntimeError as e:
+            if isinstance(e, HexrlError):
+                raise
             forward.close()
             raise PeerTimeout(
                 [src], 0, f"bucket {i} of weight version {msg['version']} ({str(e).splitlines()[0][:120]})"
@@ -310,7 +434,12 @@ def receive_version(
             injected_fault(me, msg["version"])
         forward.send(buf)
         apply(unseal(buf, meta, msg["version"], msg["verify"]), i == n - 1)
+        if shared:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)  # the slot is read before the owner may refill it
+            dist.send(torch.tensor([index], dtype=torch.int64), dst=src, group=group)
         del buf
+    opened.clear()
     return forward.close()
 
 

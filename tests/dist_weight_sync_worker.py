@@ -6,7 +6,8 @@ against the planner's number (cost_model, from the model's config alone).
     torchrun --nproc_per_node=N tests/dist_weight_sync_worker.py MODEL DP TP PP BUCKET_MB MACHINES DTYPE OUT
 MACHINES: the machine of each rollout replica, e.g. 0,0,1. With HEXRL_MEASURE_MEMORY=1 each rank also prints the
 peak resident memory its sync added (VmHWM reset through /proc/self/clear_refs), in bytes. Each rank writes its
-report to OUT/report_<rank>.json.
+report to OUT/report_<rank>.json. HEXRL_TEST_HANDOVER=shared hands the buckets to the relays in shared memory
+(dist.handover=shared); a replica then reports how many owners' slots it mapped per version.
 """
 
 import json
@@ -19,6 +20,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import cost_model as cm  # noqa: E402
+import parallel.weight_sync as weight_sync  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
@@ -46,6 +48,7 @@ def main():
     machines = [int(m) for m in machines.split(",")]
     dtype = getattr(torch, dtype_name)
     measure = os.environ.get("HEXRL_MEASURE_MEMORY") == "1"
+    handover = os.environ.get("HEXRL_TEST_HANDOVER", "wire")
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
@@ -76,6 +79,7 @@ def main():
                         bucket_meta(b, trainer.full_shapes, dtype) for b in trainer.sync_buckets(itemsize, bucket_bytes)
                     ],
                     "verify": True,
+                    "handover": handover,
                 }
                 paths, senders = plan_version(leaders, groups)
                 for leader in paths:
@@ -86,7 +90,7 @@ def main():
                 box = [None]
             dist.broadcast_object_list(box, src=groups.train_ranks[0], group=groups.train_group)
             before = reset_peak() if measure else 0
-            failed, sent = send_version(trainer, box[0], dtype, bucket_bytes, 60, verify=True)
+            failed, sent = send_version(trainer, box[0], dtype, bucket_bytes, 60, verify=True, handover=handover)
             if measure:
                 report[f"peak_extra_v{version}"] = (peak_kb() - before) * 1024
             ok &= not failed
@@ -112,9 +116,18 @@ def main():
         gen.step()  # mid-generation, as on a real rollout rank
         channel = Channel([groups.train_ranks[0]])
         same = True
+        opened = []
+        open_slots = weight_sync.open_slots
+
+        def counting_open_slots(descriptor, device):
+            opened.append(1)
+            return open_slots(descriptor, device)
+
+        weight_sync.open_slots = counting_open_slots
         for _ in (1, 2):
             ((_, msg),) = channel.poll(timeout_s=120)
             before = reset_peak() if measure else 0
+            opened.clear()
             failed = receive_version(
                 msg,
                 groups.weight_links,
@@ -124,6 +137,7 @@ def main():
             )
             if measure:
                 report[f"peak_extra_v{msg['version']}"] = (peak_kb() - before) * 1024
+            report[f"opened_v{msg['version']}"] = len(opened)
             dist.barrier()
             want = torch.load(Path(out) / f"v{msg['version']}.pt", weights_only=True)
             got = model.state_dict()

@@ -4,6 +4,7 @@ exactly-once consumption; weights reach the rollout ranks bitwise."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 from tiny import ENV, ROOT, run_sync_worker, torchrun
@@ -92,8 +93,9 @@ def test_train_runs_and_respects_staleness(tmp_path, tiny_model_dir, eta):
         ((1, 2, 2), 64, "0,0,1", "bfloat16"),
         ((2, 1, 1), 0.02, "0,1,1", "bfloat16"),  # FSDP: each DP rank holds half the stage and both lend it
         ((1, 1, 1), 0.05, "0,0", "staged"),  # colocated mode's path: every bucket through host memory
+        ((1, 1, 2), 0.02, "0,0", "shared"),  # dist.handover=shared: two owners' slots, the relay forwards on the wire
     ],
-    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16", "dp2-fsdp-bf16", "staged-through-host-fp32"],
+    ids=["dp1tp1pp1-small-buckets-fp32", "dp1tp2pp2-bf16", "dp2-fsdp-bf16", "staged-through-host-fp32", "shared-pp2"],
 )
 def test_weights_stream_bitwise_and_the_bytes_are_the_planners(
     tmp_path, tiny_model_dir, layout, bucket_mb, machines, dtype
@@ -106,11 +108,20 @@ def test_weights_stream_bitwise_and_the_bytes_are_the_planners(
         from parallel.weight_sync import STAGE_ENV
 
         dtype, env = "float32", {STAGE_ENV: "1"}
+    if dtype == "shared":
+        dtype, env = "float32", {"HEXRL_TEST_HANDOVER": "shared"}
+        leftovers = set(Path("/dev/shm").glob("hexrl-weights-*"))
     reports = run_sync_worker(tiny_model_dir, layout, bucket_mb, machines, dtype, tmp_path, env)
-    n = layout[0] * layout[1] * layout[2] + len(machines.split(","))
+    n_train = layout[0] * layout[1] * layout[2]
+    n = n_train + len(machines.split(","))
     assert sorted(reports) == list(range(n)) and all(r["ok"] for r in reports.values()), reports
     head = reports[0]
     assert head["sent_v1"] == head["sent_v2"] == head["predicted"] > 0, head
+    if env.get("HEXRL_TEST_HANDOVER") == "shared":
+        # the relay mapped both owners' slots each version, its machine-mate none (it gets the wire); no file is left
+        relay, mate = reports[n_train], reports[n_train + 1]
+        assert relay["opened_v1"] == relay["opened_v2"] == layout[2] and mate["opened_v1"] == 0, reports
+        assert set(Path("/dev/shm").glob("hexrl-weights-*")) <= leftovers
     if bucket_mb < 1:
         assert head["buckets"] >= 10  # really bucket by bucket
 
@@ -154,8 +165,9 @@ def test_dynamic_sampling_and_overlong_penalty_end_to_end(tmp_path, tiny_model_d
 
 
 def test_colocated_mode_shares_one_device_and_trains_exactly_once(tmp_path, tiny_model_dir):
-    """dist.colocate on CPU: 1 rollout + 1 train rank, every group on gloo, weights staged through host memory
-    (forced here: on CPU they need not be), the staleness bound and exactly-once hold."""
+    """dist.colocate on CPU: 1 rollout + 1 train rank, every group on gloo, weights handed over in shared memory
+    (dist.handover=auto), the buckets a relay forwards staged through host memory (forced here: on CPU they need
+    not be), the staleness bound and exactly-once hold."""
     from parallel.weight_sync import STAGE_ENV
 
     args = [
@@ -183,4 +195,5 @@ def test_colocated_mode_shares_one_device_and_trains_exactly_once(tmp_path, tiny
     steps = [m for m in metrics if "loss" in m]
     assert [m["step"] for m in steps] == [1, 2, 3]
     assert all(m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"] > 0 for m in steps), steps
+    assert all(m["weight_sync_handover"] == "shared" for m in steps), steps
     check_ledger([json.loads(line) for line in open(run / "ledger.jsonl")], 1, 3, batch=2 * 4)

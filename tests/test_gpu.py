@@ -155,8 +155,8 @@ def test_trainer_on_cuda_matches_the_cpu_reference(nccl_world_of_one, dtype):
 
 
 def test_colocated_run_on_one_gpu(tmp_path):
-    """config=gpu_single: a rollout and a train rank on this one GPU (gloo everywhere, weights through pinned host
-    memory, each role capped at its memory fraction): a few steps, exactly once, within the staleness bound."""
+    """config=gpu_single: a rollout and a train rank on this one GPU (gloo everywhere, weights handed over through
+    CUDA IPC, each role capped at its memory fraction): a few steps, exactly once, within the staleness bound."""
     import json
     import subprocess
     import sys
@@ -171,6 +171,53 @@ def test_colocated_run_on_one_gpu(tmp_path):
     ledger = [json.loads(line) for line in open(tmp_path / "r" / "ledger.jsonl")]
     assert len({(e["group_id"], e["sample_idx"]) for e in ledger}) == len(ledger) == 4 * 16 * 8
     assert all(e["trainer_version"] - e["min_version"] <= 4 for e in ledger)
+
+
+def read_shared_slot(descriptor, queue) -> None:
+    """A second process: map the owner's GPU slots through CUDA IPC and return slot 1's bytes."""
+    from parallel.handover import open_slots
+
+    reader = open_slots(descriptor, CUDA)
+    queue.put(reader.slot(1, 1000).cpu().tolist())
+
+
+def test_shared_slots_cross_processes_through_cuda_ipc():
+    """dist.handover=shared on a GPU: another process maps the owner's slots by their IPC handle and reads exactly
+    what the owner wrote (parallel/handover.py)."""
+    import torch.multiprocessing as mp
+
+    from parallel.handover import SharedSlots
+
+    owner = SharedSlots(2, 1000, CUDA)
+    data = (torch.arange(1000, device=CUDA) % 251).to(torch.uint8)
+    owner.slot(0, 1000).zero_()
+    owner.slot(1, 1000).copy_(data)
+    torch.cuda.synchronize()
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    reader = ctx.Process(target=read_shared_slot, args=(owner.descriptor, queue))
+    reader.start()
+    got = queue.get(timeout=300)
+    reader.join(timeout=60)
+    owner.close()
+    assert reader.exitcode == 0 and got == data.cpu().tolist()
+
+
+def test_weight_handover_on_one_gpu_wire_and_shared_are_bitwise():
+    """The colocated hand-over of a small model from a train rank to a rollout rank on this GPU, over the wire
+    (pinned host memory) and in shared memory (CUDA IPC): both leave the replica bitwise the trainer's weights."""
+    import json
+    import subprocess
+    import sys
+
+    from tiny import ENV, ROOT
+
+    cmd = [sys.executable, "exp/bench_weight_sync.py", "--device", "cuda", "--replicas", "1", "--repeats", "2"]
+    cmd += ["--bench-shape", "256,4,512,1024", "--handover", "wire,shared", "--out", "/tmp/bench_ws_gpu_test.pt"]
+    proc = subprocess.run(cmd, cwd=ROOT, env=ENV, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    summary = json.loads(proc.stdout.split("SUMMARY ", 1)[1].splitlines()[0])
+    assert summary["bitwise"] and summary["shared_s"] > 0 and summary["faster_handover"] in ("wire", "shared")
 
 
 @pytest.mark.parametrize("compile_decode", [False, True])
