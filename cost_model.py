@@ -54,6 +54,9 @@ class Machine:
     index: int
     gpu_type: str
     gpus: int
+    # CPU clusters only: the cores this machine's devices (one process each) share. None: every device has its own
+    # compute and memory path, as GPUs do. See Cluster.speed.
+    host_cores: float | None = None
 
 
 @dataclass
@@ -70,6 +73,23 @@ class Cluster:
 
     def gpu(self, type_name: str) -> GPUType:
         return self.gpu_types[type_name]
+
+    def speed(self, machine: int) -> float:
+        """The fraction of its own rates a device of this machine runs at: min(1, host_cores / devices). A CPU
+        "device" is one process, and a device profile measures one process alone on a core; when a machine runs
+        more busy processes than it has cores, the OS time-slices them, so each gets host_cores / devices of a core
+        -- of its FLOP/s, of its memory bandwidth and of its host time alike. It counts every device of the machine
+        as busy: an asynchronous RL step keeps the rollout ranks decoding while the train ranks train. A side that
+        waits part of each step frees its core meanwhile, which this does not credit (the CPU demo's rollout ranks
+        are busy about 72% of a step, so its train ranks get about 0.6 of a core, not 0.5). 1 on a machine without
+        host_cores (GPUs do not share their SMs and HBM with each other)."""
+        m = self.machines[machine]
+        return 1.0 if m.host_cores is None else min(1.0, m.host_cores / m.gpus)
+
+    def type_speed(self, type_name: str) -> float:
+        """Cluster.speed of a GPU type: its slowest machine's (the planner prices a rollout replica per type; on
+        every shipped cluster the machines of a type have one speed)."""
+        return min((self.speed(m.index) for m in self.machines if m.gpu_type == type_name), default=1.0)
 
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between one GPU on machine a and one on machine b (a == b: NVLink)."""
@@ -101,7 +121,7 @@ class Cluster:
             (m, machine_counts.get(m.index, m.gpus)) for m in self.machines if machine_counts.get(m.index, m.gpus) > 0
         ]
         new_index = {m.index: i for i, (m, _) in enumerate(keep)}
-        machines = [Machine(i, m.gpu_type, n) for i, (m, n) in enumerate(keep)]
+        machines = [Machine(i, m.gpu_type, n, m.host_cores) for i, (m, n) in enumerate(keep)]
         overrides = {
             (new_index[a], new_index[b]): v
             for (a, b), v in self.machine_gbps.items()
@@ -116,7 +136,14 @@ class Cluster:
                 k: {f: v for f, v in asdict(g).items() if f != "name" and not (f == "emulate" and v is None)}
                 for k, g in self.gpu_types.items()
             },
-            "machines": [{"gpu_type": m.gpu_type, "gpus": m.gpus} for m in self.machines],
+            "machines": [
+                {
+                    "gpu_type": m.gpu_type,
+                    "gpus": m.gpus,
+                    **({} if m.host_cores is None else {"host_cores": m.host_cores}),
+                }
+                for m in self.machines
+            ],
             "links": {
                 "inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
                 "machine_gbps": [[a, b, v] for (a, b), v in self.machine_gbps.items()],
@@ -152,14 +179,25 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
         if min(types[name].hbm_gb, types[name].tflops, types[name].hbm_tbps, types[name].intra_gbps) <= 0:
             raise SpecError(f"{source}: gpu_types.{name} has a non-positive capacity")
     machines: list[Machine] = []
-    for entry in need(spec, "machines", "cluster"):
+    for i_entry, entry in enumerate(need(spec, "machines", "cluster")):
         t = need(entry, "gpu_type", "a machines entry")
         if t not in types:
             raise SpecError(f"{source}: machine gpu_type '{t}' is not in gpu_types {sorted(types)}")
         gpus, count = int(need(entry, "gpus", "a machines entry")), int(entry.get("count", 1))
         if gpus <= 0 or count <= 0:
             raise SpecError(f"{source}: machine of {t} needs gpus >= 1 and count >= 1")
-        machines += [Machine(len(machines) + i, t, gpus) for i in range(count)]
+        cores = entry.get("host_cores")
+        if cores is not None:
+            try:
+                cores = float(cores)
+            except (TypeError, ValueError):
+                cores = math.nan
+            if not (math.isfinite(cores) and cores > 0):
+                raise SpecError(
+                    f"{source}: machines[{i_entry}].host_cores must be a number > 0 (the cores the machine's "
+                    f"devices share; leave it out for GPUs), got {entry['host_cores']!r}"
+                )
+        machines += [Machine(len(machines) + i, t, gpus, cores) for i in range(count)]
     if not machines:
         raise SpecError(f"{source}: no machines")
     if nproc is not None:
@@ -169,7 +207,7 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
             )
         if nproc < 2:
             raise SpecError(f"--gpus/--nproc must be >= 2 (one rollout and one train rank), got {nproc}")
-        machines = [Machine(0, machines[0].gpu_type, nproc)]
+        machines = [Machine(0, machines[0].gpu_type, nproc, machines[0].host_cores)]
     links = spec.get("links", {}) or {}
     inter: dict[tuple[str, str], float] = {}
     for key, v in (links.get("inter_gbps") or {}).items():
@@ -317,6 +355,8 @@ class Workload:
             raise SpecError(f"workload: precision must be one of {sorted(PRECISION_BYTES)}, got {self.precision!r}")
         if self.ppo_minibatches < 1 or self.microbatch_tokens < 1 or self.max_batch < 1:
             raise SpecError("workload: ppo_minibatches, microbatch_tokens and max_batch must be >= 1")
+        if not self.train_passes > 0:
+            raise SpecError(f"workload: train_passes must be > 0, got {self.train_passes}")
 
     @staticmethod
     def from_quantiles(mean: float, quantiles: dict[float, float] | None = None, n: int = 64, **kw) -> Workload:
@@ -376,6 +416,16 @@ class TypeEfficiency:
     mfu_infer: float = 0.5  # achieved / peak FLOP/s in decode and prefill
     hbm_eff: float = 0.7  # achieved / peak HBM bandwidth in decode
     decode_overhead_s: float = 0.0  # fixed seconds per decode step (launches, sampling, host work; a device profile)
+    # fixed seconds per optimizer step beyond the FLOPs and the optimizer's bytes: gradient norm and clipping, zeroing,
+    # the step's host work and launches (a device profile fits it: the intercept of its Trainer steps)
+    train_overhead_s: float = 0.0
+    # achieved / peak FLOP/s of a decode step's compute (batch rows through every layer: small-row GEMMs, sampling);
+    # None: mfu_infer, as for prefill (a device profile fits it from its compute-bound decode steps)
+    mfu_decode: float | None = None
+
+    @property
+    def decode_mfu(self) -> float:
+        return self.mfu_infer if self.mfu_decode is None else self.mfu_decode
 
 
 @dataclass
@@ -431,6 +481,7 @@ def decode_round_s(
     context: float,
     nbytes: int,
     pp_gbps: float,
+    speed: float = 1.0,
 ) -> float:
     """Time for one decode step of `batch` sequences on a tp x pp replica (roofline per stage).
 
@@ -442,10 +493,13 @@ def decode_round_s(
     taking the max of the two (a roofline; HexGen adds them). TP adds 2 all-reduces of batch*H per layer
     over NVLink; PP adds batch*H bytes per stage boundary. The step time is the slowest stage, plus the type's
     fixed per-step overhead `decode_overhead_s` (0 unless a device profile sets it: `schedule.py profile` fits
-    step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps).
+    step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps). The compute roof is
+    at `mfu_decode` (mfu_infer unless a profile fits it from compute-bound decode steps). `speed` is the share of
+    its device the replica gets (Cluster.speed: < 1 only for CPU processes sharing cores): the rates and the
+    per-step host work all stretch by 1 / speed.
     """
-    hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff
-    flops = gpu.tflops * 1e12 * eff.mfu_infer
+    hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff * speed
+    flops = gpu.tflops * 1e12 * eff.decode_mfu * speed
     kv_layer = model.kv_bytes_per_token_layer(nbytes, tp)
     stage_layers = layer_counts(model.layers, pp)
     tp_comm = 0.0
@@ -459,7 +513,7 @@ def decode_round_s(
         mem_bytes = pp * weight_bytes + batch * context * kv_layer * lk
         compute = batch * (lk * model.layer_flops_per_token(context) + 2 * head) / tp
         worst = max(worst, max(mem_bytes / hbm, compute / flops) + lk * tp_comm)
-    return worst + pp_comm + eff.decode_overhead_s
+    return worst + pp_comm + eff.decode_overhead_s / speed
 
 
 def decode_bytes_per_step(model: ModelSpec, batch: float, context: float, nbytes: int, tp: int = 1) -> float:
@@ -562,14 +616,16 @@ def replica_cost(
     eff: Efficiency,
     pp_gbps: float,
     bucket_bytes: float = 64 * 2**20,
+    speed: float = 1.0,
 ) -> ReplicaCost | None:
-    """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit."""
+    """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit. `speed`:
+    the share of its devices it gets (Cluster.speed), scaling decode and prefill alike."""
     batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac, bucket_bytes), wl.max_batch)
     if batch < 1:
         return None
     te = eff.of(gpu.name)
-    round_s = decode_round_s(model, gpu, te, tp, pp, batch, wl.decode_context, wl.bytes, pp_gbps)
-    return ReplicaCost(batch, round_s, batch / round_s, tp * pp * gpu.tflops * te.mfu_infer)
+    round_s = decode_round_s(model, gpu, te, tp, pp, batch, wl.decode_context, wl.bytes, pp_gbps, speed)
+    return ReplicaCost(batch, round_s, batch / round_s, tp * pp * gpu.tflops * te.mfu_infer * speed)
 
 
 def rollout_seconds(
@@ -599,6 +655,7 @@ class StageSpec:
     tp_gbps: float  # slowest link inside a TP group
     dp_gbps: float  # slowest link inside a DP group
     next_gbps: float  # link to the next stage (0 for the last)
+    speed: float = 1.0  # Cluster.speed of its slowest machine (< 1 only for CPU processes sharing cores)
 
 
 # Training memory: what a train rank allocates (parallel/trainer.py under FSDP2, activation checkpointing, chunked
@@ -698,7 +755,11 @@ def train_step_seconds(
                                      + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
                                      + PP send of mb*H bytes per pass to the next stage
     pipeline per minibatch = sum_k t_k + (m - 1) * max_k t_k      (1F1B bubble, m micro-batches per replica)
-    + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)."""
+    + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)
+    + the type's fixed seconds per optimizer step `train_overhead_s` (0 unless a device profile sets it: the
+    intercept of its Trainer steps, less this optimizer term).
+    A stage's `speed` (Cluster.speed: < 1 only for CPU processes sharing cores) scales its compute, its optimizer
+    and its fixed per-step work; the links are not scaled."""
     nbytes = wl.bytes
     context = wl.decode_context  # mean attention span of a token in a packed sequence
     mb = wl.microbatch_tokens
@@ -706,14 +767,14 @@ def train_step_seconds(
     m = max(1, math.ceil(tokens_per_minibatch / (dp * mb)))
     passes = wl.train_passes
     times = []
-    dp_sync = opt = 0.0
+    dp_sync = opt = fixed = 0.0
     for k, st in enumerate(stages):
         gpu, te = gpu_types[st.gpu_type], eff.of(st.gpu_type)
         last = k == len(stages) - 1
         flops = (
             passes * mb * (st.layers * model.layer_flops_per_token(context) + (2 * model.head_params if last else 0))
         )
-        t = flops / (tp * gpu.tflops * 1e12 * te.mfu_train)
+        t = flops / (tp * gpu.tflops * 1e12 * te.mfu_train * st.speed)
         if tp > 1:
             ar_bytes = 2 * (tp - 1) / tp * mb * model.hidden * nbytes
             t += 2 * passes * st.layers * (LINK_LATENCY_S + ar_bytes / (st.tp_gbps * 1e9))
@@ -723,9 +784,10 @@ def train_step_seconds(
         params = (st.layers * model.layer_params + (model.head_params if last else 0)) / tp
         if dp > 1:
             dp_sync = max(dp_sync, LINK_LATENCY_S + 2 * (dp - 1) / dp * params * 4 / (st.dp_gbps * 1e9))
-        opt = max(opt, params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff))
+        opt = max(opt, params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff * st.speed))
+        fixed = max(fixed, te.train_overhead_s / st.speed)
     pipeline = sum(times) + (m - 1) * max(times)
-    return wl.ppo_minibatches * (pipeline + dp_sync + opt)
+    return wl.ppo_minibatches * (pipeline + dp_sync + opt + fixed)
 
 
 def train_tokens_per_s(wl: Workload, train_s: float) -> float:
@@ -837,12 +899,15 @@ def sync_seconds(
     owner_machines: list[list[int]],
     gbps,
     eff: Efficiency,
+    speed: float = 1.0,
 ) -> float:
     """C_UPDATE of one version as the runtime runs it (parallel/weight_sync.py): each rollout machine's relay takes
     every stage from the owner assign_senders picks and forwards each bucket to the machine's other replicas while
     the next one arrives. `gbps(a, b)`: machine-to-machine bandwidth (a == b: inside a machine). The slowest of: a
     relay receiving every stage in turn, a relay forwarding to its k - 1 machine-mates, an owner sending its stage
-    to every machine assigned to it; plus a fixed latency."""
+    to every machine assigned to it; plus a fixed latency. `speed` (Cluster.speed of the machines involved, < 1 only
+    for CPU processes sharing cores) stretches both: on a CPU a bucket's hop is host work (filling, checksumming,
+    socket copies), and a device profile measures it on unshared cores."""
     stage_bytes: dict[int, int] = {}
     for b in buckets:
         stage_bytes[b.stage] = stage_bytes.get(b.stage, 0) + b.wire_bytes
@@ -859,7 +924,7 @@ def sync_seconds(
             sending[(s, senders[(s, m)])] = sending.get((s, senders[(s, m)]), 0.0) + seconds
         slowest = max(slowest, receive, (k - 1) * total / (gbps(m, m) * 1e9))
     slowest = max([slowest, *sending.values()])
-    return eff.sync_latency_s + slowest / eff.link_eff
+    return eff.sync_latency_s / speed + slowest / (eff.link_eff * speed)
 
 
 def step_seconds(rollout_s: float, train_s: float, sync_s: float, wl: Workload) -> float:
@@ -899,11 +964,19 @@ def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
 
 # A device profile (exp/profiles/*.yaml, written by `schedule.py profile`) holds what one device achieved running
 # torch and the runtime's own code, and the fractions of a cluster GPU type's nominal numbers those rates are: the
-# TypeEfficiency of that type. A fraction must lie in (0, PROFILE_MAX_FRACTION] and the overhead be >= 0: a device
-# does not beat its own peak (the 20% slack is for turbo clocks and rounded-down nominal numbers), and a negative
-# fixed cost is a fit gone wrong, not a device.
+# TypeEfficiency of that type. A fraction must lie in (0, PROFILE_MAX_FRACTION] and an overhead in
+# [0, PROFILE_MAX_OVERHEAD_S]: a device does not beat its own peak (the 20% slack is for turbo clocks and rounded-down
+# nominal numbers), a negative fixed cost is a fit gone wrong, not a device, and so is a fixed cost of more than 10 s
+# per decode or optimizer step (a second is already slow for host work). PROFILE_FRACTIONS and decode_overhead_s are
+# required; the others are optional (an older profile, or a device where the profile did not measure them).
 PROFILE_FRACTIONS = ("mfu_train", "mfu_infer", "hbm_eff")
+PROFILE_OPTIONAL_FRACTIONS = ("mfu_decode",)
+PROFILE_OVERHEADS = ("decode_overhead_s",)
+PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s",)
 PROFILE_MAX_FRACTION = 1.2
+PROFILE_MAX_OVERHEAD_S = 10.0
+# the optimizer's bytes per parameter as train_step_seconds prices them (dp 1: fp32 master, grads, AdamW moments)
+OPTIMIZER_BYTES_DP1 = 18 + 12
 
 
 def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float, float]:
@@ -933,44 +1006,94 @@ def fit_rate(work: list[float], seconds: list[float], what: str) -> tuple[float,
     return 1.0 / slope, intercept, r2
 
 
+def fit_rate_given_overhead(work: list[float], seconds: list[float], overhead: float, what: str) -> float:
+    """The rate of seconds = work / rate + overhead with the overhead known, by least squares through it."""
+    num = sum(w * (t - overhead) for w, t in zip(work, seconds))
+    if not work or num <= 0:
+        raise SpecError(
+            f"profile: {what}: the steps are not longer than their fixed overhead ({overhead:.3g} s); "
+            "the machine was too noisy for this fit, run it again on a quieter one"
+        )
+    return sum(w * w for w in work) / num
+
+
+def _profile_number(d: dict, key: str, where: str, source: str) -> float:
+    try:
+        value = float(d[key])
+    except (TypeError, ValueError):
+        raise SpecError(f"{source}: {where}.{key} must be a number, got {d[key]!r}") from None
+    if not math.isfinite(value):
+        raise SpecError(f"{source}: {where}.{key} must be finite, got {value}")
+    return value
+
+
+def _check_overhead(value: float, key: str, where: str, source: str, what: str) -> None:
+    if value < 0:
+        raise SpecError(
+            f"{source}: {where}.{key} = {value:.4g} s < 0 is not physically plausible ({what}); the fit was too "
+            "noisy, profile again"
+        )
+    if value > PROFILE_MAX_OVERHEAD_S:
+        raise SpecError(
+            f"{source}: {where}.{key} = {value:.4g} s > {PROFILE_MAX_OVERHEAD_S:g} s is not physically plausible "
+            f"({what}); the fit was too noisy, profile again"
+        )
+
+
 def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
     """The profile's TypeEfficiency, or one SpecError naming the first missing or implausible constant."""
+    required = (*PROFILE_FRACTIONS, *PROFILE_OVERHEADS)
     if not isinstance(eff, dict):
-        raise SpecError(f"{source}: 'efficiency' must be a mapping of {[*PROFILE_FRACTIONS, 'decode_overhead_s']}")
+        raise SpecError(f"{source}: 'efficiency' must be a mapping of {list(required)}")
     values = {}
-    for key in (*PROFILE_FRACTIONS, "decode_overhead_s"):
+    for key in required:
         if key not in eff:
             raise SpecError(f"{source}: missing 'efficiency.{key}'")
-        try:
-            values[key] = float(eff[key])
-        except (TypeError, ValueError):
-            raise SpecError(f"{source}: efficiency.{key} must be a number, got {eff[key]!r}") from None
-        if not math.isfinite(values[key]):
-            raise SpecError(f"{source}: efficiency.{key} must be finite, got {values[key]}")
-    for key in PROFILE_FRACTIONS:
-        if not 0 < values[key] <= PROFILE_MAX_FRACTION:
+        values[key] = _profile_number(eff, key, "efficiency", source)
+    for key in (*PROFILE_OPTIONAL_FRACTIONS, *PROFILE_OPTIONAL_OVERHEADS):
+        if eff.get(key) is not None:
+            values[key] = _profile_number(eff, key, "efficiency", source)
+    for key in (*PROFILE_FRACTIONS, *PROFILE_OPTIONAL_FRACTIONS):
+        if key in values and not 0 < values[key] <= PROFILE_MAX_FRACTION:
             raise SpecError(
                 f"{source}: efficiency.{key} = {values[key]:.4g} is not physically plausible: an achieved fraction "
                 f"of the GPU type's nominal rate must lie in (0, {PROFILE_MAX_FRACTION}] (exp/PLANNER.md, "
                 "'Device profiles'); check the type's nominal tflops / hbm_tbps"
             )
-    if values["decode_overhead_s"] < 0:
-        raise SpecError(
-            f"{source}: efficiency.decode_overhead_s = {values['decode_overhead_s']:.4g} s < 0 is not physically "
-            "plausible (a fixed cost per decode step); the decode fit was too noisy, profile again"
+    _check_overhead(
+        values["decode_overhead_s"], "decode_overhead_s", "efficiency", source, "a fixed cost per decode step"
+    )
+    if "train_overhead_s" in values:
+        _check_overhead(
+            values["train_overhead_s"], "train_overhead_s", "efficiency", source, "a fixed cost per optimizer step"
         )
     return TypeEfficiency(**values)
+
+
+def check_profile_sync(sync, source: str) -> tuple[float, float]:
+    """(link_gbps, sync_latency_s) of a profile's `sync` section, or one SpecError naming the implausible one."""
+    if not isinstance(sync, dict) or any(k not in sync for k in ("link_gbps", "sync_latency_s")):
+        raise SpecError(f"{source}: 'sync' must be a mapping of link_gbps and sync_latency_s (schedule.py profile)")
+    gbps = _profile_number(sync, "link_gbps", "sync", source)
+    latency = _profile_number(sync, "sync_latency_s", "sync", source)
+    if gbps <= 0:
+        raise SpecError(f"{source}: sync.link_gbps = {gbps:.4g} GB/s is not physically plausible (must be > 0)")
+    _check_overhead(latency, "sync_latency_s", "sync", source, "the fixed cost of one weight-sync transfer")
+    return gbps, latency
 
 
 @dataclass(frozen=True)
 class DeviceProfile:
     """What the planner reads from a device profile: the GPU type it is for, that type's efficiencies, and the
-    nominal numbers those fractions are of (the achieved rates are fraction x nominal)."""
+    nominal numbers those fractions are of (the achieved rates are fraction x nominal); optionally the weight-sync
+    link its machine achieved (link_gbps: one hop of a bucket between two processes, sync_latency_s: a tiny one)."""
 
     gpu_type: str
     efficiency: TypeEfficiency
     tflops: float
     hbm_tbps: float
+    link_gbps: float | None = None
+    sync_latency_s: float | None = None
 
 
 def profile_from_dict(d: dict, source: str = "<profile>") -> DeviceProfile:
@@ -988,7 +1111,10 @@ def profile_from_dict(d: dict, source: str = "<profile>") -> DeviceProfile:
         raise SpecError(f"{source}: 'nominal' needs numeric tflops and hbm_tbps (the fractions are of them)") from None
     if not (tflops > 0 and tbps > 0):
         raise SpecError(f"{source}: nominal tflops and hbm_tbps must be > 0")
-    return DeviceProfile(str(d["gpu_type"]), te, tflops, tbps)
+    gbps = latency = None
+    if d.get("sync") is not None:
+        gbps, latency = check_profile_sync(d["sync"], source)
+    return DeviceProfile(str(d["gpu_type"]), te, tflops, tbps, gbps, latency)
 
 
 def load_profile(path: str | os.PathLike) -> DeviceProfile:
@@ -1006,7 +1132,9 @@ def load_profile(path: str | os.PathLike) -> DeviceProfile:
 def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source: str) -> Efficiency:
     """eff with prof.gpu_type's constants replaced by the profile's. The type must be one of the cluster's; where
     the cluster gives it other nominal numbers than the profile's, the fractions are rescaled so that the achieved
-    rates (fraction x nominal) stay the measured ones."""
+    rates (fraction x nominal) stay the measured ones. A profile with a `sync` section also sets the weight-sync
+    constants, which are the cluster's (Efficiency.link_eff, sync_latency_s): link_eff = the measured GB/s over the
+    type's intra_gbps, so that the achieved bandwidth of a bucket hop is the measured one."""
     if prof.gpu_type not in cluster.gpu_types:
         raise SpecError(
             f"{source}: gpu_type '{prof.gpu_type}' is not a GPU type of cluster {cluster.name} "
@@ -1020,26 +1148,60 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
         mfu_infer=te.mfu_infer * flops,
         hbm_eff=te.hbm_eff * bw,
         decode_overhead_s=te.decode_overhead_s,
+        train_overhead_s=te.train_overhead_s,
+        mfu_decode=None if te.mfu_decode is None else te.mfu_decode * flops,
     )
+    if prof.link_gbps is not None:
+        out.link_eff = prof.link_gbps / g.intra_gbps
+        out.sync_latency_s = prof.sync_latency_s
     return out
 
 
 def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> dict:
-    """Fit the measured points (device_profile.profile_device's structure) and add `measured`, `nominal`, `fractions` and
-    `efficiency` (the TypeEfficiency of `gpu` the planner reads); then check it (check_profile_efficiency)."""
+    """Fit the measured points (device_profile.profile_device's structure) and add `measured`, `nominal`, `fractions`,
+    `efficiency` (the TypeEfficiency of `gpu` the planner reads) and, when the link was measured, `sync`; then check
+    them (check_profile_efficiency, check_profile_sync).
+      decode    the points memory-bound by the raw GEMM / copy rates: step = bytes / bandwidth + overhead (hbm_eff,
+                decode_overhead_s); the points compute-bound by those rates: step = FLOPs / rate + that overhead
+                (mfu_decode; absent without two such points)
+      prefill   step = FLOPs / rate + c (mfu_infer)
+      train     step = FLOPs / rate + c (mfu_train). A point is one Trainer.train_step of `optimizer_steps` optimizer
+                steps (its PPO minibatches), so c / optimizer_steps is what one optimizer step costs besides the FLOPs;
+                train_overhead_s is that less what train_step_seconds already charges for the optimizer of the
+                profiled model (its `params` at OPTIMIZER_BYTES_DP1 bytes each over the decode bandwidth)
+      link      one weight-sync bucket hop between two processes, as a train rank waits for it (fill a buffer,
+                checksum it, send; the receiver takes it): hop = bytes / bandwidth (sync.link_gbps); a tiny hop is
+                the fixed cost (sync.sync_latency_s)"""
     gemm_rate, copy_rate = out["gemm_tflops"] * 1e12, out["copy_tbps"] * 1e12
     for p in out["decode"]:  # memory-bound by the raw rates: the bandwidth fit uses only those points
         p["memory_bound"] = bool(p["flops"] / gemm_rate < 0.5 * p["bytes"] / copy_rate)
+        p["compute_bound"] = bool(p["flops"] / gemm_rate > p["bytes"] / copy_rate)
     use = [p for p in out["decode"] if p["memory_bound"]]
     if len({p["bytes"] for p in use}) < 2:
-        use = out["decode"]
+        use = [p for p in out["decode"] if not p["compute_bound"]] or out["decode"]
     bw, overhead, r2_decode = fit_rate([p["bytes"] for p in use], [p["step_s"] for p in use], "decode")
+    compute = [p for p in out["decode"] if p["compute_bound"]]
+    decode_rate = None
+    if len(compute) >= 2:
+        decode_rate = fit_rate_given_overhead(
+            [p["flops"] for p in compute], [p["step_s"] for p in compute], overhead, "decode (compute-bound steps)"
+        )
     prefill_rate, prefill_c, r2_prefill = fit_rate(
         [p["flops"] for p in out["prefill"]], [p["step_s"] for p in out["prefill"]], "prefill"
     )
-    train_rate, train_c, r2_train = fit_rate(
-        [p["flops"] for p in out["train"]], [p["step_s"] for p in out["train"]], "train"
-    )
+    train = out["train"]
+    train_rate, train_c, r2_train = fit_rate([p["flops"] for p in train], [p["step_s"] for p in train], "train")
+    opt_steps = train[0].get("optimizer_steps", 1)
+    params = train[0].get("params", 0)
+    if any(p.get("optimizer_steps", 1) != opt_steps or p.get("params", 0) != params for p in train):
+        raise SpecError("profile: the train points must share one model and one number of optimizer steps")
+    optimizer_s = params * OPTIMIZER_BYTES_DP1 / bw  # what train_step_seconds charges per optimizer step (dp 1)
+    # what one optimizer step costs beyond that. A negative intercept is a noisy fit (refused below); an intercept
+    # smaller than the optimizer term means that term already covers the whole fixed cost (a fused optimizer
+    # streams fewer bytes than OPTIMIZER_BYTES_DP1): nothing to add
+    train_overhead = train_c / opt_steps - optimizer_s
+    if train_c >= 0:
+        train_overhead = max(0.0, train_overhead)
     peak, hbm = gpu.tflops * 1e12, gpu.hbm_tbps * 1e12
     out["measured"] = {
         "gemm_tflops": out["gemm_tflops"],
@@ -1048,12 +1210,15 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "decode_overhead_s": overhead,
         "decode_fit_points": len(use),
         "decode_r2": r2_decode,
+        **({} if decode_rate is None else {"decode_tflops": decode_rate / 1e12, "decode_compute_points": len(compute)}),
         "prefill_tflops": prefill_rate / 1e12,
         "prefill_overhead_s": prefill_c,
         "prefill_r2": r2_prefill,
         "train_tflops": train_rate / 1e12,
         "train_overhead_s": train_c,
         "train_r2": r2_train,
+        "train_optimizer_steps": opt_steps,
+        "train_model_optimizer_s": optimizer_s,
     }
     out["nominal"] = {"gpu_type": gpu.name, "tflops": gpu.tflops, "hbm_tbps": gpu.hbm_tbps}
     out["fractions"] = {"gemm": gemm_rate / peak, "copy": copy_rate / hbm}  # of the nominal peaks (diagnostic)
@@ -1062,19 +1227,46 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "mfu_infer": prefill_rate / peak,
         "hbm_eff": bw / hbm,
         "decode_overhead_s": overhead,
+        "train_overhead_s": train_overhead,
+        **({} if decode_rate is None else {"mfu_decode": decode_rate / peak}),
     }
+    link = out.get("link")
+    if link:
+        link_rate, link_c, r2_link = fit_rate(
+            [p["bytes"] for p in link["points"]], [p["hop_s"] for p in link["points"]], "link"
+        )
+        out["measured"].update(
+            link_gbps=link_rate / 1e9, link_latency_s=link["latency_s"], link_intercept_s=link_c, link_r2=r2_link
+        )
+        out["sync"] = {"link_gbps": link_rate / 1e9, "sync_latency_s": link["latency_s"]}
     out["seconds"] = elapsed
     m, e = out["measured"], out["efficiency"]
     log(
         f"decode:  {m['decode_tbps'] * 1e3:9.2f} GB/s + {m['decode_overhead_s'] * 1e3:.3f} ms/step "
         f"(least squares over {len(use)} memory-bound points, r2 {r2_decode:.3f})"
     )
+    if decode_rate is not None:
+        log(f"decode:  {decode_rate / 1e9:9.2f} GFLOP/s on {len(compute)} compute-bound points (+ the same overhead)")
     log(f"prefill: {m['prefill_tflops'] * 1e3:9.2f} GFLOP/s + {prefill_c * 1e3:.2f} ms (r2 {r2_prefill:.3f})")
-    log(f"train:   {m['train_tflops'] * 1e3:9.2f} GFLOP/s + {train_c * 1e3:.2f} ms/step (r2 {r2_train:.3f})")
+    log(
+        f"train:   {m['train_tflops'] * 1e3:9.2f} GFLOP/s + {train_c * 1e3:.2f} ms/step of {opt_steps} optimizer "
+        f"step(s) (r2 {r2_train:.3f}): {e['train_overhead_s'] * 1e3:.2f} ms per optimizer step besides the "
+        f"{optimizer_s * 1e3:.2f} ms the cost model's optimizer term charges"
+    )
+    if link:
+        log(
+            f"link:    {m['link_gbps']:9.3f} GB/s per bucket hop + {m['link_latency_s'] * 1e3:.3f} ms for a tiny one "
+            f"(r2 {m['link_r2']:.3f})"
+        )
     log(
         f"{gpu.name} ({gpu.tflops:g} TFLOP/s, {gpu.hbm_tbps:g} TB/s nominal): mfu_train {e['mfu_train']:.3f}, "
-        f"mfu_infer {e['mfu_infer']:.3f}, hbm_eff {e['hbm_eff']:.3f}, decode_overhead_s {e['decode_overhead_s']:.3g} "
-        f"(gemm {out['fractions']['gemm']:.3f}, copy {out['fractions']['copy']:.3f} of nominal)"
+        f"mfu_infer {e['mfu_infer']:.3f}, hbm_eff {e['hbm_eff']:.3f}, decode_overhead_s {e['decode_overhead_s']:.3g}, "
+        f"train_overhead_s {e['train_overhead_s']:.3g}"
+        + ("" if decode_rate is None else f", mfu_decode {e['mfu_decode']:.3f}")
+        + f" (gemm {out['fractions']['gemm']:.3f}, copy {out['fractions']['copy']:.3f} of nominal)"
     )
-    check_profile_efficiency(e, f"profile of {out['device']} as {gpu.name}")
+    where = f"profile of {out['device']} as {gpu.name}"
+    check_profile_efficiency(e, where)
+    if "sync" in out:
+        check_profile_sync(out["sync"], where)
     return out

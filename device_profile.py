@@ -1,12 +1,14 @@
 """Measuring a device for the planner (`schedule.py profile`): the runtime's own code -- GEMMs at training shapes,
-large copies, rollout.Generator decode and prefill steps, parallel.trainer.Trainer steps -- timed on this machine's
-device (CUDA if there is one, else one CPU core), then fitted by cost_model.finish_profile into the cost model's
-constants (mfu_train, mfu_infer, hbm_eff, decode_overhead_s). Apart from the planner's arithmetic, which stays in
-cost_model (no torch), this is the one place the planner side runs the runtime."""
+large copies, rollout.Generator decode and prefill steps, parallel.trainer.Trainer steps and, on CPU, a weight-sync
+bucket hop between two processes -- timed on this machine's device (CUDA if there is one, else one CPU core), then
+fitted by cost_model.finish_profile into the cost model's constants (mfu_train, mfu_infer, hbm_eff,
+decode_overhead_s, train_overhead_s, mfu_decode; link_gbps and sync_latency_s). Apart from the planner's arithmetic,
+which stays in cost_model (no torch), this is the one place the planner side runs the runtime."""
 
 from __future__ import annotations
 
 from dataclasses import replace
+from datetime import timedelta
 
 import cost_model as cm
 
@@ -35,17 +37,30 @@ def _median(xs: list[float]) -> float:
 # decode models are random Llamas (hidden, intermediate, layers, heads, kv heads, vocab) around the sizes a run on
 # that device trains: the CPU demo's tiny model and two larger ones (which still fit this box's last-level cache:
 # the bandwidth a CPU rank sees is the cache's when its model fits there, so the profile measures that regime).
+#   decode          (batch, context) points on every model, memory-bound on one core: the bandwidth + overhead line
+#   decode_compute  (batch, context) points on the first `compute_models` models, compute-bound by the raw rates
+#                   (a full rollout batch at a short context): the decode compute rate, mfu_decode
+#   train_model     the model the Trainer steps run on. On CPU that is the tiny one, the size CPU runs train: a
+#                   train step's fixed part is mostly per-parameter work (AdamW, the fp64 gradient norm, fresh
+#                   gradients), so the intercept of a 7x larger model's steps is no per-step constant for the demo's,
+#                   and small GEMMs and elementwise ops run the tiny model's FLOPs at a lower rate than a larger one's
+#   train           (trajectories, prompt, response): every point one micro-batch per PPO minibatch, 2 minibatches
+#   link            bucket sizes of a weight-sync hop between two processes (CPU: gloo on this host)
 PROFILE_SHAPES = {
     "cpu": {
         "gemm": [(1024, 256, 680), (1024, 512, 1024), (1024, 1024, 1024)],
         "copy_bytes": 256 * 2**20,
         "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096), (768, 2048, 8, 12, 4, 8192)],
         "decode": [(1, 64), (2, 64), (1, 192), (4, 192)],  # (batch, context): memory-bound on one core
+        "decode_compute": [(64, 16), (64, 32)],  # the CPU demo's max_batch_size at short contexts
+        "compute_models": 2,
         "decode_steps": 16,
         "prefill": [(1, 64), (4, 64), (4, 128), (8, 128)],
-        "train": [(4, 32, 32), (8, 32, 32), (8, 64, 64)],  # (trajectories, prompt, response)
+        "train": [(4, 32, 32), (8, 32, 32), (8, 64, 64), (16, 64, 64)],  # (trajectories, prompt, response)
         "train_mb": 1024,  # micro_batch_tokens (the CPU demo's)
-        "work_model": 1,  # the model prefill and training run on (an index into models)
+        "work_model": 1,  # the model prefill runs on (an index into models)
+        "train_model": 0,  # the model training runs on: the tiny one (see above)
+        "link_bytes": [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20],  # up to the runtime's 64 MiB bucket
         # a smoke run (--seconds < 30): two small models, fewer points
         "smoke": {
             "gemm": [(1024, 256, 680), (1024, 512, 1024)],
@@ -53,8 +68,10 @@ PROFILE_SHAPES = {
             "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096)],  # 12 and 86 MB: the decode line
             "work_model": 0,  # prefill and train on the tiny one
             "decode": [(1, 32), (2, 32), (1, 96)],
+            "compute_models": 1,
             "prefill": [(1, 32), (4, 32), (4, 64)],
             "train": [(4, 16, 16), (8, 16, 32)],
+            "link_bytes": [2**20, 4 * 2**20, 16 * 2**20],
         },
     },
     "cuda": {
@@ -62,14 +79,19 @@ PROFILE_SHAPES = {
         "copy_bytes": 2 * 2**30,
         "models": [(1024, 2816, 16, 16, 4, 32000), (2048, 5632, 16, 16, 4, 32000), (3072, 8192, 20, 24, 8, 32000)],
         "decode": [(1, 512), (16, 512), (16, 2048), (64, 1024)],
+        "decode_compute": [],  # RL batches on a GPU stay memory-bound: mfu_decode is mfu_infer
+        "compute_models": 0,
         "decode_steps": 32,
         "prefill": [(4, 512), (8, 1024), (16, 1024), (16, 2048)],
         "train": [(8, 256, 768), (16, 256, 768), (16, 512, 1536)],
         "train_mb": 16384,
         "work_model": 1,
+        "train_model": 1,
+        "link_bytes": [],  # a GPU pair's link (NCCL) is not profiled yet: the cluster's link_eff / sync_latency_s
         "smoke": {
             "models": [(1024, 2816, 8, 16, 4, 32000), (2048, 5632, 8, 16, 4, 32000)],
             "work_model": 0,
+            "train_model": 0,
             "decode": [(1, 512), (16, 512), (16, 2048)],
             "prefill": [(4, 512), (8, 1024), (16, 1024)],
             "train": [(8, 256, 768), (16, 256, 768)],
@@ -87,8 +109,16 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
       decode    rollout.Generator steps over random HF Llamas at a few batch sizes and contexts; fitted by least
                 squares to step = bytes / bandwidth + overhead, bytes = cm.decode_bytes_per_step (weights + the KV read)
       prefill   Generator prefill of fresh prompts: step = FLOPs / rate + overhead
+      decode_compute  Generator steps of a full batch at a short context (CPU): compute-bound by the raw rates;
+                step = FLOPs / rate + the decode overhead (mfu_decode)
       train     parallel.trainer.Trainer.train_step on one gloo rank (2 PPO minibatches, so the proximal log-prob
-                recompute runs: 4 passes, as cost_model counts them): step = FLOPs / rate + overhead
+                recompute runs: 4 passes, as cost_model counts them): step = FLOPs / rate + overhead, the overhead
+                per optimizer step (less the cost model's own optimizer term) being train_overhead_s
+      link      (CPU) one weight-sync bucket hop between this process and a second one over gloo, as
+                parallel/weight_sync.py's owner makes it and a train rank waits for it: fill a fresh buffer,
+                checksum it, send; the receiver takes it into a fresh buffer and acknowledges (its verify and copy-out
+                are the relay's, off the clock). hop = bytes / bandwidth (sync.link_gbps); a tiny hop's seconds are
+                the fixed cost (sync.sync_latency_s)
     `seconds` is the budget of the timed loops (each point runs at least twice); model builds add a little. A GPU
     is timed by the wall clock, a CPU by the process's CPU seconds (see `clock` below).
     nominal "type": the fractions are of gpu's tflops / hbm_tbps; "measured": of this device's own GEMM FLOP/s and
@@ -115,7 +145,7 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a shared,
     # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
     clock = time.perf_counter if cuda else time.process_time
-    share = {"gemm": 0.08, "copy": 0.07, "decode": 0.45, "prefill": 0.15, "train": 0.25}
+    share = {"gemm": 0.07, "copy": 0.06, "decode": 0.45, "prefill": 0.13, "train": 0.25, "link": 0.04}
 
     def timed(fn, budget_s: float) -> float:
         """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
@@ -177,15 +207,18 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
 
     # (c) decode and (d) prefill, through rollout.Generator (the rollout rank's own decode loop)
     models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
+    compute_pts, compute_models = shapes.get("decode_compute", []), shapes.get("compute_models", 0)
     steps = shapes["decode_steps"]
     decode, prefill = [], []
+    n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
     for mi, dims in enumerate(models):
         hf, spec = llama(*dims)
         hf = hf.to(device=device, dtype=dtype)
+        every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
         gen = Generator(
             hf,
-            max_batch_size=max(b for b, _ in decode_pts + prefill_pts),
-            max_seq_len=max(c for _, c in decode_pts + prefill_pts) + steps + 8,
+            max_batch_size=max(b for b, _ in every),
+            max_seq_len=max(c for _, c in every) + steps + 8,
         )
 
         def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
@@ -204,10 +237,8 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
             add(gen, spec.vocab, b, length, 1)
             drain(gen)
 
-        for b, ctx in decode_pts:
-            t = timed(
-                lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / len(models) / len(decode_pts)
-            )
+        for b, ctx in decode_pts + (compute_pts if mi < compute_models else []):
+            t = timed(lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / n_decode)
             context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
             decode.append(
                 {
@@ -228,9 +259,9 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
                 flops = b * (length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
                 prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
         del gen, hf
-    # (d) a training step of parallel.trainer.Trainer on one rank
+    # (e) a training step of parallel.trainer.Trainer on one rank
     train = _profile_train(
-        llama(*models[shapes["work_model"]]),
+        llama(*models[shapes.get("train_model", shapes["work_model"])]),
         shapes["train"],
         shapes["train_mb"],
         device,
@@ -246,6 +277,14 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
         prefill=prefill,
         train=train,
     )
+    # (f) the weight-sync link between two processes of this machine
+    if not cuda and shapes.get("link_bytes"):
+        out["link"] = _profile_link(shapes["link_bytes"], seconds * share["link"])
+    if out.get("link"):
+        log(
+            f"link:    {len(out['link']['points'])} bucket hops of {shapes['link_bytes'][0] >> 20}-"
+            f"{shapes['link_bytes'][-1] >> 20} MiB, tiny hop {out['link']['latency_s'] * 1e3:.3f} ms"
+        )
     if nominal == "measured":
         gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
     return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
@@ -301,9 +340,114 @@ def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, 
                 length = prompt + response
                 per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
                 flops = cm.Workload().train_passes * n * per_seq  # forward + backward + the proximal recompute
-                rows.append({"model": spec.name, "trajectories": n, "tokens": n * length, "flops": flops, "step_s": t})
+                rows.append(
+                    {
+                        "model": spec.name,
+                        "params": spec.params,
+                        "optimizer_steps": cfg.ppo_minibatches,
+                        "trajectories": n,
+                        "tokens": n * length,
+                        "flops": flops,
+                        "step_s": t,
+                    }
+                )
             del trainer
         finally:
             if own:
                 dist.destroy_process_group()
     return rows
+
+
+LINK_TIMEOUT_S = 300  # the link measurement's peer starts, or the profile stops with gloo's error, within this
+
+
+def _link_peer(init: str, nbytes_max: int) -> None:
+    """The receiving side of _profile_link (a spawned process): for each announced size, receive a bucket into a
+    fresh buffer and acknowledge it with the CPU seconds that took here, then verify its checksum and copy it out
+    (apply: the relay's own work, which the sender does not wait for); a size of 0 ends it."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from parallel.weight_sync import checksum
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=init, rank=1, world_size=2, timeout=timedelta(seconds=LINK_TIMEOUT_S))
+    dst = torch.empty(nbytes_max, dtype=torch.uint8)
+    size, ack = torch.zeros(1, dtype=torch.int64), torch.zeros(1, dtype=torch.float64)
+    try:
+        while True:
+            dist.recv(size, src=0)
+            n = int(size.item())
+            if n == 0:
+                break
+            t0 = time.process_time()
+            buf = torch.empty(n, dtype=torch.uint8)  # a fresh wire buffer per bucket, as the runtime's
+            dist.recv(buf, src=0)
+            ack.fill_(time.process_time() - t0)
+            dist.send(ack, dst=0)
+            checksum(buf)
+            dst[:n].copy_(buf)
+    finally:
+        dist.destroy_process_group()
+
+
+def _profile_link(sizes: list[int], budget_s: float) -> dict:
+    """One weight-sync bucket hop between this process and a spawned one over gloo (median of at least 3 per size),
+    as parallel/weight_sync.py's send_version makes it and a train rank waits for it: the sender fills a fresh buffer
+    from its weights, checksums it (dist.verify_weights, on by default) and sends it; the receiver takes it into a
+    fresh buffer and acknowledges, then verifies and copies it out (the relay's own work, off the sender's clock). A
+    hop's seconds are the CPU seconds of both processes until the acknowledgement (gloo's socket work included): on
+    a quiet machine about its wall time, and, like the rest of a CPU profile (time.process_time), free of other
+    processes' time slices on a loaded one; `wall_s` is reported beside it. Returns {"latency_s": an 8-byte hop,
+    "points": [{"bytes", "hop_s", "wall_s"}]}."""
+    import tempfile
+    import time
+
+    import torch
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    from parallel.weight_sync import checksum
+
+    if dist.is_initialized():  # a process group exists (a test's): the link is not measured here
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/link_init"
+        peer = mp.get_context("spawn").Process(target=_link_peer, args=(init, max(sizes)), daemon=True)
+        peer.start()
+        dist.init_process_group(
+            "gloo", init_method=init, rank=0, world_size=2, timeout=timedelta(seconds=LINK_TIMEOUT_S)
+        )
+        src = torch.randint(0, 255, (max(sizes),), dtype=torch.uint8)
+        ack = torch.zeros(1, dtype=torch.float64)
+        try:
+
+            def hop(n: int) -> tuple[float, float]:
+                dist.send(torch.tensor([n], dtype=torch.int64), dst=1)
+                t0, w0 = time.process_time(), time.perf_counter()
+                buf = torch.empty(n, dtype=torch.uint8)
+                buf.copy_(src[:n])
+                checksum(buf)
+                dist.send(buf, dst=1)
+                dist.recv(ack, src=1)
+                return time.process_time() - t0 + float(ack.item()), time.perf_counter() - w0
+
+            def median_hop(n: int, budget: float) -> dict:
+                hop(n)  # warm-up
+                runs, until = [], time.perf_counter() + budget
+                while len(runs) < 3 or (time.perf_counter() < until and len(runs) < 50):
+                    runs.append(hop(n))
+                return {"bytes": n, "hop_s": _median([c for c, _ in runs]), "wall_s": _median([w for _, w in runs])}
+
+            per = budget_s / (len(sizes) + 1)
+            latency = median_hop(8, per)["hop_s"]
+            points = [median_hop(n, per) for n in sizes]
+            dist.send(torch.zeros(1, dtype=torch.int64), dst=1)
+        finally:
+            dist.destroy_process_group()
+            peer.join(timeout=30)
+            if peer.is_alive():
+                peer.kill()
+    return {"latency_s": latency, "points": points}

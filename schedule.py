@@ -224,13 +224,14 @@ class Planner:
             dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
             nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
             specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
+        speeds = [min(self.cluster.speed(m) for m in ms) for _, ms, *_ in specs]  # CPU cores shared (Cluster.speed)
         key = (tuple(types), dp, tp, pp)
         if key not in self._split_cache:
             self._split_cache[key] = self._split_layers(types, dp, tp, pp)
         layers = self._split_cache[key]
         if layers is None:
             return None
-        stages = [StageSpec(t, l, ms, a, b, c) for (t, ms, a, b, c), l in zip(specs, layers)]
+        stages = [StageSpec(t, l, ms, a, b, c, v) for (t, ms, a, b, c), l, v in zip(specs, layers, speeds)]
         secs = cm.train_step_seconds(self.model, stages, dp, tp, self.cluster.gpu_types, self.wl, self.eff)
         return TrainPlan(dp, tp, pp, [(t, l, b) for t, l, b in zip(types, layers, blocks)], secs)
 
@@ -238,7 +239,7 @@ class Planner:
         """Layers per stage proportional to stage compute (the LM head counts on the last stage), then
         moved off stages that exceed memory, then greedily off the slowest stage while that helps."""
         L, mdl = self.model.layers, self.model
-        speed = [self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train for t in types]
+        speed = [self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t) for t in types]
         f_layer = mdl.layer_flops_per_token(self.wl.decode_context)
         f_head = 2 * mdl.head_params
         head = [0.0] * (pp - 1) + [f_head]
@@ -376,7 +377,8 @@ class Planner:
                 if tp > max_tp or rollout_tp_problems(self.model, tp):
                     continue
                 bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
-                cost = cm.replica_cost(self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket)
+                speed = self.cluster.type_speed(gpu_type)  # < 1 only where CPU processes share cores
+                cost = cm.replica_cost(self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, speed)
                 if cost:
                     out.append(ReplicaConfig(gpu_type, tp, 1, cost))
             self._configs_cache[gpu_type] = out
@@ -534,12 +536,11 @@ class Planner:
             )
         sync_s = inf
         if train and rollout:
+            machines = self.rollout_machines(rollout)
+            owners = self.owner_machines(train)
+            speed = min(self.cluster.speed(m) for m in {*machines, *(m for stage in owners for m in stage)})
             sync_s = cm.sync_seconds(
-                self.sync_buckets(train),
-                self.rollout_machines(rollout),
-                self.owner_machines(train),
-                self.cluster.link_gbps,
-                self.eff,
+                self.sync_buckets(train), machines, owners, self.cluster.link_gbps, self.eff, speed
             )
         step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl) if math.isfinite(sync_s) else inf
         ev = Evaluation(
@@ -1285,6 +1286,13 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-batch", type=int, default=d.max_batch, help="max concurrent sequences per replica")
     ap.add_argument("--microbatch-tokens", type=int, default=d.microbatch_tokens)
     ap.add_argument("--ppo-minibatches", type=int, default=d.ppo_minibatches)
+    ap.add_argument(
+        "--train-passes",
+        type=float,
+        default=d.train_passes,
+        help="forward-pass equivalents per trained token: 4 (forward, backward, the proximal log-prob recompute), "
+        "3 when the run skips the recompute (ppo_minibatches 1 reads pi_prox off the training forward)",
+    )
 
 
 def workload_from(a: argparse.Namespace) -> Workload:
@@ -1307,6 +1315,7 @@ def workload_from(a: argparse.Namespace) -> Workload:
         max_batch=a.max_batch,
         microbatch_tokens=a.microbatch_tokens,
         ppo_minibatches=a.ppo_minibatches,
+        train_passes=a.train_passes,
     )
 
 
@@ -1462,8 +1471,9 @@ def profile_main(argv: list[str]) -> int:
 
     prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal)
     doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
-    for key in ("efficiency", "measured", "nominal", "fractions", "dtype", "seconds"):
-        doc[key] = prof.pop(key)
+    for key in ("efficiency", "sync", "measured", "nominal", "fractions", "dtype", "seconds"):
+        if key in prof:
+            doc[key] = prof.pop(key)
     doc["points"] = prof  # the raw measurements the constants were fitted to
     cm.profile_from_dict(doc, out)  # what the planner will read back
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)

@@ -1,0 +1,417 @@
+"""The cost-model terms behind acceptance 4 of issue 21 (a CPU profile predicts the CPU demo's step): CPU devices
+sharing cores (`host_cores`), the per-optimizer-step train overhead, the decode compute rate, the profiled
+weight-sync link, each against its formula; the profile keys round-trip and reach a plan; bad values are one clear
+error; exp/check_profile_prediction.py compares a run with the prediction."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "exp"))
+
+import cost_model as cm  # noqa: E402
+import schedule as sc  # noqa: E402
+
+CPU = cm.GPUType("cpu", 2, 0.02, 0.005, 0.05, 2.0)
+TINY = ROOT / "exp" / "tiny-model"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+# the CPU demo's workload (exp/configs/cpu_demo.yaml; prompt and response lengths of its arithmetic task)
+DEMO = dict(
+    prompts_per_step=16,
+    samples_per_prompt=8,
+    prompt_len=29.0,
+    gen_samples=[25.5],
+    eta=4,
+    precision="fp32",
+    ppo_minibatches=1,
+    microbatch_tokens=1024,
+    max_batch=64,
+    train_passes=3.0,
+)
+
+
+def cpu_cluster(host_cores=2, gpus: int = 4) -> cm.Cluster:
+    """One machine of `gpus` CPU processes (exp/clusters/cpu.yaml's numbers) sharing `host_cores` cores."""
+    machine = {"gpu_type": "cpu", "gpus": gpus, **({} if host_cores is None else {"host_cores": host_cores})}
+    cpu = {"hbm_gb": 2, "tflops": 0.02, "hbm_tbps": 0.005, "dollars_per_hour": 0.05, "intra_gbps": 2.0}
+    return cm.cluster_from_dict({"name": "cpu", "gpu_types": {"cpu": cpu}, "machines": [machine]}, "test.yaml")
+
+
+def profile_doc(**efficiency) -> dict:
+    eff = {"mfu_train": 0.4, "mfu_infer": 0.6, "hbm_eff": 0.7, "decode_overhead_s": 0.002, **efficiency}
+    return {
+        "device": "test device",
+        "gpu_type": "cpu",
+        "efficiency": eff,
+        "nominal": {"gpu_type": "cpu", "tflops": 0.02, "hbm_tbps": 0.005},
+    }
+
+
+def write(tmp_path: Path, doc: dict, name: str = "p.yaml") -> Path:
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(doc))
+    return path
+
+
+# ----------------------------------------------------------------------------- host_cores
+
+
+def test_host_cores_speed_is_cores_over_devices_capped_at_one():
+    assert cpu_cluster(2, 4).speed(0) == 0.5
+    assert cpu_cluster(2, 3).speed(0) == pytest.approx(2 / 3)
+    assert cpu_cluster(2, 2).speed(0) == 1.0 and cpu_cluster(8, 4).speed(0) == 1.0
+    assert cpu_cluster(None, 4).speed(0) == 1.0  # absent: devices do not share compute (GPUs)
+    assert cpu_cluster(2, 4).type_speed("cpu") == 0.5
+    # the shipped CPU cluster: this machine's 2 cores; --nproc resizes the devices, not the cores
+    assert cm.load_cluster(ROOT / "exp/clusters/cpu.yaml").machines[0].host_cores == 2
+    assert cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4).speed(0) == 0.5
+    assert cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 6).speed(0) == pytest.approx(1 / 3)
+    assert cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 2).speed(0) == 1.0
+    # GPU clusters have none
+    for path in (ROOT / "exp/clusters").glob("*.yaml"):
+        if not path.stem.startswith("cpu"):
+            assert all(m.host_cores is None for m in cm.load_cluster(path).machines), path
+
+
+def test_host_cores_round_trips_through_the_plan_inputs():
+    c = cpu_cluster(2, 4)
+    assert c.to_dict()["machines"] == [{"gpu_type": "cpu", "gpus": 4, "host_cores": 2.0}]
+    assert cm.cluster_from_dict(c.to_dict()).machines == c.machines
+    assert "host_cores" not in cpu_cluster(None).to_dict()["machines"][0]
+    assert c.subset({0: 3}).machines[0].host_cores == 2.0
+
+
+@pytest.mark.parametrize("bad", [0, -1, "two", float("nan"), float("inf"), [2]])
+def test_bad_host_cores_is_one_error_naming_the_key(bad):
+    with pytest.raises(cm.SpecError, match=r"test\.yaml: machines\[0\]\.host_cores must be a number > 0") as e:
+        cpu_cluster(bad)
+    assert "\n" not in str(e.value)
+
+
+def test_bad_host_cores_from_the_cli_is_one_line(tmp_path):
+    doc = yaml.safe_load((ROOT / "exp/clusters/cpu.yaml").read_text())
+    doc["machines"][0]["host_cores"] = 0
+    path = write(tmp_path, doc, "cluster.yaml")
+    r = subprocess.run(
+        [sys.executable, "schedule.py", "--cluster", str(path), "--model", str(TINY), "--quiet"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=120,
+    )
+    assert r.returncode == 2
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "machines[0].host_cores must be a number > 0" in lines[0], r.stderr
+
+
+def test_speed_halves_the_decode_rates_and_stretches_its_overhead():
+    model = cm.load_model_spec(TINY)
+    te = cm.TypeEfficiency(mfu_infer=0.6, hbm_eff=0.7, decode_overhead_s=0.002)
+    for batch, context in ((1, 40.0), (64, 40.0), (64, 400.0)):
+        one = cm.decode_round_s(model, CPU, te, 1, 1, batch, context, 4, 2.0)
+        half = cm.decode_round_s(model, CPU, te, 1, 1, batch, context, 4, 2.0, 0.5)
+        assert half == pytest.approx(2 * one, rel=1e-12)
+        # the formula: the roofline of the halved rates, plus the overhead over the speed
+        L = model.layers
+        mem = model.layers * model.layer_params * 4 + model.head_params * 4
+        mem += batch * context * model.kv_bytes_per_token_layer(4) * L
+        flops = batch * (L * model.layer_flops_per_token(context) + 2 * model.head_params)
+        want = max(mem / (CPU.hbm_tbps * 1e12 * 0.7 * 0.5), flops / (CPU.tflops * 1e12 * 0.6 * 0.5)) + 0.002 / 0.5
+        assert half == pytest.approx(want, rel=1e-12)
+    wl = cm.Workload(**DEMO)
+    eff = cm.Efficiency(per_type={"cpu": te})
+    full, shared = (
+        cm.replica_cost(model, CPU, 1, 1, wl, eff, 2.0),
+        cm.replica_cost(model, CPU, 1, 1, wl, eff, 2.0, speed=0.5),
+    )
+    assert shared.round_s == pytest.approx(2 * full.round_s) and shared.prefill_tflops == full.prefill_tflops / 2
+    assert shared.batch == full.batch  # memory is not shared out
+
+
+def test_speed_halves_the_train_rates_not_the_links():
+    model = cm.load_model_spec(TINY)
+    wl = cm.Workload(**DEMO)
+    eff = cm.Efficiency(per_type={"cpu": cm.TypeEfficiency(mfu_train=0.4, hbm_eff=0.7, train_overhead_s=0.05)})
+
+    def train(dp: int, speed: float) -> float:
+        return cm.train_step_seconds(model, [cm.StageSpec("cpu", 4, (0,), 2.0, 2.0, 0.0, speed)], dp, 1,
+                                     {"cpu": CPU}, wl, eff)  # fmt: skip
+
+    assert train(1, 0.5) == pytest.approx(2 * train(1, 1.0), rel=1e-12)  # dp 1: no link in the step
+    params = 4 * model.layer_params + model.head_params
+    all_reduce = wl.ppo_minibatches * (cm.LINK_LATENCY_S + 2 * (2 - 1) / 2 * params * 4 / 2e9)
+    assert train(2, 0.5) - all_reduce == pytest.approx(2 * (train(2, 1.0) - all_reduce), rel=1e-12)
+
+
+def test_speed_stretches_the_weight_sync():
+    buckets = cm.sync_buckets(cm.hf_param_table(cm.load_model_spec(TINY)), [(0, 4)], 4, 64 * 2**20)
+    eff = cm.Efficiency(link_eff=0.3, sync_latency_s=0.004)
+    one = cm.sync_seconds(buckets, {0: 2}, [[0, 0]], lambda a, b: 2.0, eff)
+    assert cm.sync_seconds(buckets, {0: 2}, [[0, 0]], lambda a, b: 2.0, eff, 0.5) == pytest.approx(2 * one)
+    total = sum(b.wire_bytes for b in buckets)
+    assert one == pytest.approx(0.004 + total / 2e9 / 0.3)
+
+
+def test_plans_with_and_without_host_cores_differ_only_by_the_shared_cores():
+    """The same split on the same machine (one speed for all devices: the search's order is unchanged); every time
+    of the plan doubles with 4 devices on 2 cores."""
+    model, wl, eff = cm.load_model_spec(TINY), cm.Workload(**DEMO), cm.Efficiency(sync_latency_s=0.01)
+    plain, shared = (sc.plan(cpu_cluster(h), model, wl, eff) for h in (None, 2))
+    assert plain["ranks"] == shared["ranks"] and plain["train"]["stages"] == shared["train"]["stages"]
+    assert [r["ranks"] for r in plain["rollout"]["replicas"]] == [r["ranks"] for r in shared["rollout"]["replicas"]]
+    for key in ("rollout_s", "sync_s"):
+        assert shared["predicted"][key] == pytest.approx(2 * plain["predicted"][key], rel=1e-9), key
+    # the train step doubles but for its DP all-reduce (a link: not shared out)
+    assert 1.9 * plain["predicted"]["train_s"] < shared["predicted"]["train_s"] <= 2 * plain["predicted"]["train_s"]
+    p, counts = sc.planner_from_plan(shared)  # the plan's inputs keep host_cores
+    assert p.cluster.speed(0) == 0.5 and p.evaluate(counts).step_s == pytest.approx(shared["predicted"]["step_s"])
+
+
+# ----------------------------------------------------------------------------- train overhead, decode rate
+
+
+@pytest.mark.parametrize("minibatches, pp", [(1, 1), (4, 1), (2, 2)])
+def test_train_overhead_adds_exactly_overhead_times_minibatches(minibatches, pp):
+    model = cm.load_model_spec(TINY)
+    wl = cm.Workload(**{**DEMO, "ppo_minibatches": minibatches})
+    stages = [cm.StageSpec("cpu", lk, (0,), 2.0, 2.0, 2.0 if k < pp - 1 else 0.0) for k, lk in
+              enumerate(cm.layer_counts(model.layers, pp))]  # fmt: skip
+
+    def train(overhead: float, stages=stages) -> float:
+        eff = cm.Efficiency(per_type={"cpu": cm.TypeEfficiency(train_overhead_s=overhead)})
+        return cm.train_step_seconds(model, stages, 1, 1, {"cpu": CPU}, wl, eff)
+
+    assert train(0.25) - train(0.0) == pytest.approx(0.25 * minibatches, rel=1e-9)
+    half = [replace(s, speed=0.5) for s in stages]
+    assert train(0.25, half) - train(0.0, half) == pytest.approx(0.5 * minibatches, rel=1e-9)  # host time, shared
+
+
+def test_decode_compute_rate_is_mfu_decode_else_mfu_infer():
+    model = cm.load_model_spec(TINY)
+    batch, context = 64, 20.0  # compute-bound on these rates
+    base = cm.TypeEfficiency(mfu_infer=0.6, hbm_eff=0.9)
+    assert base.decode_mfu == 0.6
+    t_infer = cm.decode_round_s(model, CPU, base, 1, 1, batch, context, 4, 2.0)
+    slow = cm.TypeEfficiency(mfu_infer=0.6, hbm_eff=0.9, mfu_decode=0.2)
+    t_decode = cm.decode_round_s(model, CPU, slow, 1, 1, batch, context, 4, 2.0)
+    flops = batch * (model.layers * model.layer_flops_per_token(context) + 2 * model.head_params)
+    assert t_infer == pytest.approx(flops / (CPU.tflops * 1e12 * 0.6))
+    assert t_decode == pytest.approx(flops / (CPU.tflops * 1e12 * 0.2))
+    # prefill keeps mfu_infer
+    wl = cm.Workload(**DEMO)
+    for te in (base, slow):
+        assert cm.replica_cost(model, CPU, 1, 1, wl, cm.Efficiency(per_type={"cpu": te}), 2.0).prefill_tflops == (
+            pytest.approx(CPU.tflops * 0.6)
+        )
+
+
+def test_workload_train_passes_reaches_the_cli_and_is_checked(tmp_path):
+    with pytest.raises(cm.SpecError, match="train_passes must be > 0"):
+        cm.Workload(train_passes=0)
+    out = tmp_path / "plan.json"
+    args = ["--cluster", "exp/clusters/cpu.yaml", "--model", str(TINY), "--nproc", "4", "--quiet", "--out", str(out)]
+    assert sc.main([*args, "--train-passes", "3"]) == 0
+    three = json.loads(out.read_text())
+    assert three["inputs"]["workload"]["train_passes"] == 3.0
+    assert sc.main(args) == 0
+    assert json.loads(out.read_text())["predicted"]["train_s"] > three["predicted"]["train_s"]
+
+
+# ----------------------------------------------------------------------------- the profile's new keys
+
+
+def synthetic_points(bw=4e9, overhead=0.002, decode_rate=3e10, prefill=6e10, train=5e10, c_train=0.3, opt_steps=2,
+                     params=3_000_000, link=8e8, latency=1e-4) -> dict:  # fmt: skip
+    """A profile's raw points made from known constants (device_profile.profile_device's structure)."""
+    memory = [{"bytes": b, "flops": 1e6, "step_s": b / bw + overhead} for b in (1.2e7, 1.3e7, 8e7, 8.8e7)]
+    compute = [{"bytes": 2e7, "flops": f, "step_s": f / decode_rate + overhead} for f in (4e8, 8e8, 1.6e9)]
+    return {
+        "device": "synthetic",
+        "gemm_tflops": 0.1,
+        "copy_tbps": 0.01,
+        "decode": memory + compute,
+        "prefill": [{"flops": f, "step_s": f / prefill + 0.01} for f in (1e9, 4e9, 9e9)],
+        "train": [
+            {"flops": f, "step_s": f / train + c_train, "optimizer_steps": opt_steps, "params": params}
+            for f in (4e10, 8e10, 1.6e11)
+        ],
+        "link": {
+            "latency_s": latency,
+            "points": [{"bytes": n, "hop_s": n / link + latency} for n in (1e6, 4e6, 1.6e7)],
+        },
+    }
+
+
+def test_finish_profile_fits_the_new_constants_from_synthetic_points():
+    bw, overhead, rate, c_train, params = 4e9, 0.002, 3e10, 0.3, 3_000_000
+    out = cm.finish_profile(synthetic_points(), cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0), log=lambda *_: None)
+    e, m = out["efficiency"], out["measured"]
+    assert e["hbm_eff"] == pytest.approx(bw / 1e10) and e["decode_overhead_s"] == pytest.approx(overhead)
+    assert e["mfu_decode"] == pytest.approx(rate / 1e11)  # the compute-bound points, through the same overhead
+    assert m["decode_compute_points"] == 3 and m["decode_fit_points"] == 4
+    assert m["train_overhead_s"] == pytest.approx(c_train)  # per profiled Trainer step (2 optimizer steps)
+    optimizer = params * cm.OPTIMIZER_BYTES_DP1 / bw
+    assert e["train_overhead_s"] == pytest.approx(c_train / 2 - optimizer)
+    assert out["sync"] == {"link_gbps": pytest.approx(0.8), "sync_latency_s": 1e-4}
+    cm.profile_from_dict({**out, "gpu_type": "cpu"}, "p")  # what the planner reads back
+
+
+def test_finish_profile_train_overhead_is_what_the_optimizer_term_leaves():
+    gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
+    # an intercept smaller than the optimizer term (0.5 ms per step < 375 ms of optimizer bytes): nothing to add
+    covered = cm.finish_profile(synthetic_points(c_train=0.001, params=50_000_000), gpu, log=lambda *_: None)
+    assert covered["efficiency"]["train_overhead_s"] == 0.0
+    # a negative intercept is a noisy fit: refused
+    with pytest.raises(cm.SpecError, match=r"efficiency\.train_overhead_s = -0\.\d+ s < 0 is not physically"):
+        cm.finish_profile(synthetic_points(c_train=-0.05), gpu, log=lambda *_: None)
+
+
+def test_profile_with_the_new_keys_round_trips_and_is_applied(tmp_path):
+    doc = profile_doc(train_overhead_s=0.03, mfu_decode=0.3)
+    doc["sync"] = {"link_gbps": 0.5, "sync_latency_s": 0.002}
+    prof = cm.load_profile(write(tmp_path, doc))
+    assert prof == cm.DeviceProfile("cpu", cm.TypeEfficiency(0.4, 0.6, 0.7, 0.002, 0.03, 0.3), 0.02, 0.005, 0.5, 0.002)
+    cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4)
+    eff = cm.apply_profile(cm.Efficiency(), cluster, prof, "p.yaml")
+    assert eff.of("cpu") == prof.efficiency
+    assert eff.link_eff == pytest.approx(0.5 / 2.0) and eff.sync_latency_s == 0.002  # cpu.yaml: intra_gbps 2
+    other = cm.apply_profile(cm.Efficiency(), cluster, cm.DeviceProfile("cpu", prof.efficiency, 0.1, 0.01), "p")
+    assert other.of("cpu").mfu_decode * 0.02 == pytest.approx(0.3 * 0.1)  # rescaled like mfu_infer
+    assert other.link_eff == cm.Efficiency().link_eff  # no sync section: the cluster's constants stay
+    # an older profile without the new keys: the defaults (no overhead, mfu_decode = mfu_infer)
+    old = cm.load_profile(write(tmp_path, profile_doc(), "old.yaml"))
+    assert old.efficiency.train_overhead_s == 0.0 and old.efficiency.mfu_decode is None and old.link_gbps is None
+    # the plan records them and reads them back
+    out = tmp_path / "plan.json"
+    args = ["--cluster", "exp/clusters/cpu.yaml", "--model", str(TINY), "--nproc", "4", "--quiet", "--out", str(out)]
+    assert sc.main([*args, "--profile", str(tmp_path / "p.yaml")]) == 0
+    pj = json.loads(out.read_text())
+    assert pj["inputs"]["efficiency"]["per_type"]["cpu"]["train_overhead_s"] == 0.03
+    assert pj["inputs"]["efficiency"]["sync_latency_s"] == 0.002
+    p, counts = sc.planner_from_plan(pj)
+    assert p.eff.of("cpu") == prof.efficiency and p.evaluate(counts).step_s == pytest.approx(pj["predicted"]["step_s"])
+
+
+def demo_eval(tmp_path: Path, name: str, host_cores=2, **changes) -> sc.Evaluation:
+    """The CPU demo's split (2 train ranks dp 2, 2 TP-1 rollout replicas) priced with a profile changed."""
+    doc = profile_doc(train_overhead_s=0.03, mfu_decode=0.3)
+    doc["sync"] = {"link_gbps": 0.5, "sync_latency_s": 0.002}
+    for key, value in changes.items():
+        (doc["sync"] if key in doc["sync"] else doc["efficiency"])[key] = value
+    cluster = cpu_cluster(host_cores)
+    eff = cm.apply_profile(cm.Efficiency(), cluster, cm.load_profile(write(tmp_path, doc, f"{name}.yaml")), name)
+    wl = cm.Workload(**{**DEMO, "gen_samples": [25.5], "prompt_len": 5.0})  # a short prompt: decode-heavy rollout
+    p = sc.Planner(cluster, cm.load_model_spec(TINY), wl, eff, forced_layout=(2, 1, 1), rollout_tp=1)
+    return p.evaluate((2,))
+
+
+def test_each_new_key_moves_the_prediction(tmp_path):
+    base = demo_eval(tmp_path, "base")
+    more_overhead = demo_eval(tmp_path, "overhead", train_overhead_s=0.13)
+    assert more_overhead.train_s - base.train_s == pytest.approx(0.1 / 0.5 * DEMO["ppo_minibatches"])
+    slow_decode = demo_eval(tmp_path, "decode", mfu_decode=0.05)
+    assert slow_decode.rollout_s > base.rollout_s and slow_decode.train_s == base.train_s
+    slow_link = demo_eval(tmp_path, "link", link_gbps=0.05)
+    assert slow_link.sync_s > 5 * base.sync_s and slow_link.train_s == base.train_s
+    late = demo_eval(tmp_path, "latency", sync_latency_s=0.5)
+    assert late.sync_s - base.sync_s == pytest.approx((0.5 - 0.002) / 0.5)
+    cores = demo_eval(tmp_path, "cores", host_cores=4)  # a core each: twice the 2-core speed
+    assert cores.rollout_s == pytest.approx(base.rollout_s / 2) and cores.sync_s == pytest.approx(base.sync_s / 2)
+    params = 4 * cm.load_model_spec(TINY).layer_params + cm.load_model_spec(TINY).head_params
+    all_reduce = DEMO["ppo_minibatches"] * (cm.LINK_LATENCY_S + params * 4 / 2e9)  # dp 2 over gloo: not shared
+    assert cores.train_s - all_reduce == pytest.approx((base.train_s - all_reduce) / 2)
+
+
+@pytest.mark.parametrize(
+    "where, key, value, needle",
+    [
+        ("efficiency", "train_overhead_s", -0.1, "efficiency.train_overhead_s = -0.1 s < 0"),
+        ("efficiency", "train_overhead_s", 11.0, "efficiency.train_overhead_s = 11 s > 10 s"),
+        ("efficiency", "decode_overhead_s", 20.0, "efficiency.decode_overhead_s = 20 s > 10 s"),
+        ("efficiency", "train_overhead_s", "slow", "efficiency.train_overhead_s must be a number"),
+        ("efficiency", "mfu_decode", 1.5, "efficiency.mfu_decode = 1.5 is not physically plausible"),
+        ("efficiency", "mfu_decode", 0.0, "efficiency.mfu_decode = 0 is not physically plausible"),
+        ("sync", "link_gbps", 0.0, "sync.link_gbps = 0 GB/s is not physically plausible"),
+        ("sync", "sync_latency_s", -1.0, "sync.sync_latency_s = -1 s < 0"),
+        ("sync", "sync_latency_s", None, "'sync' must be a mapping of link_gbps and sync_latency_s"),
+    ],
+)
+def test_a_bad_new_profile_value_is_one_clear_error(tmp_path, where, key, value, needle):
+    doc = profile_doc()
+    doc["sync"] = {"link_gbps": 0.5, "sync_latency_s": 0.002}
+    if value is None:
+        doc[where].pop(key)
+    else:
+        doc[where][key] = value
+    with pytest.raises(cm.SpecError) as e:
+        cm.load_profile(write(tmp_path, doc))
+    assert needle in str(e.value) and "\n" not in str(e.value)
+
+
+# ----------------------------------------------------------------------------- exp/check_profile_prediction.py
+
+
+def fake_run(tmp_path: Path, step_s: float) -> Path:
+    """A run directory shaped like train.py's (config.yaml, metrics.jsonl, plan.json, layout.json) for the CPU
+    demo's split, every step `step_s` long; an eval at steps 0 and 10 (the step after each is 3x as long)."""
+    run = tmp_path / "run"
+    run.mkdir(parents=True)
+    cfg = {
+        "model": {"path": "exp/tiny-model"},
+        "data": {"task": "arith", "num_train": 200, "num_test": 10, "seed": 0},
+        "rollout": {"samples_per_prompt": 8, "max_batch_size": 64},
+        "train": {"prompts_per_step": 16, "ppo_minibatches": 1, "micro_batch_tokens": 1024,
+                  "recompute_prox_logprobs": True, "kl_coef": 0.0},
+        "staleness": {"max_staleness": 4},
+        "dist": {"weight_bucket_mb": 64.0},
+    }  # fmt: skip
+    (run / "config.yaml").write_text(yaml.safe_dump(cfg))
+    rows, elapsed = [{"step": 0, "eval_accuracy": 0.5}], 0.0
+    for step in range(1, 21):
+        s = step_s * (3 if step in (1, 11) else 1)
+        elapsed += s
+        rows.append({"step": step, "step_s": s, "train_s": 0.9 * s, "weight_sync_s": 0.02, "response_len_mean": 25.5,
+                     "weight_sync_dtype": "float32", "elapsed_s": elapsed, "rollout_idle_frac": 0.3})  # fmt: skip
+        if step == 10:
+            rows.append({"step": 10, "eval_accuracy": 0.6})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "plan.json").write_text(json.dumps({"world_size": 4, "train": {"dp": 2, "tp": 1, "pp": 1}}))
+    layout = [{"rank": r, "role": "train", "replica": None, "node": 0} for r in (0, 1)]
+    layout += [{"rank": r, "role": "rollout", "replica": r - 2, "node": 0} for r in (2, 3)]
+    (run / "layout.json").write_text(json.dumps(layout))
+    return run
+
+
+def test_check_script_compares_the_steady_steps_with_the_prediction(tmp_path, capsys):
+    import check_profile_prediction as chk
+
+    prof = write(tmp_path, profile_doc(train_overhead_s=0.03), "p.yaml")
+    run = fake_run(tmp_path, 1.0)
+    cfg, rows, plan, layout = chk.read_run(run)
+    assert [r["step"] for r in chk.steady_steps(rows, 3)] == [s for s in range(4, 21) if s != 11]
+    wl = chk.workload(cfg, rows, 29.0)
+    assert (wl.train_passes, wl.batch, wl.eta, wl.precision, wl.gen_mean) == (3.0, 128, 4, "fp32", 25.5)
+    assert chk.train_passes({"ppo_minibatches": 4}) == 4.0 and chk.train_passes({"ppo_minibatches": 1}) == 3.0
+    assert chk.train_passes({"ppo_minibatches": 4, "recompute_prox_logprobs": False, "kl_coef": 0.1}) == 4.0
+    ev, cluster = chk.predict(str(ROOT / "exp/clusters/cpu.yaml"), [str(prof)], cfg, plan, layout, wl)
+    assert (ev.train.dp, ev.train.tp, ev.train.pp, len(ev.rollout.replicas)) == (2, 1, 1, 2) and cluster.speed(0) == 0.5
+    close = fake_run(tmp_path / "a", ev.step_s * 1.1)
+    far = fake_run(tmp_path / "b", ev.step_s * 1.5)
+    args = ["--profile", str(prof), "--prompt-len", "29", "--json", str(tmp_path / "c.json")]
+    assert chk.main([str(close), *args]) == 0
+    assert "step error -9.1% (within 15%)" in capsys.readouterr().out
+    got = json.loads((tmp_path / "c.json").read_text())
+    assert got["measured"]["step_s"] == pytest.approx(ev.step_s * 1.1) and math.isclose(got["error"], 1 / 1.1 - 1)
+    assert chk.main([str(far), *args]) == 1
