@@ -20,10 +20,11 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
 
+from test_profile import CPU, profile_doc, write  # noqa: E402
+
 import cost_model as cm  # noqa: E402
 import schedule as sc  # noqa: E402
 
-CPU = cm.GPUType("cpu", 2, 0.02, 0.005, 0.05, 2.0)
 TINY = ROOT / "exp" / "tiny-model"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 # the CPU demo's workload (exp/configs/cpu_demo.yaml; prompt and response lengths of its arithmetic task)
@@ -46,22 +47,6 @@ def cpu_cluster(host_cores=2, gpus: int = 4) -> cm.Cluster:
     machine = {"gpu_type": "cpu", "gpus": gpus, **({} if host_cores is None else {"host_cores": host_cores})}
     cpu = {"hbm_gb": 2, "tflops": 0.02, "hbm_tbps": 0.005, "dollars_per_hour": 0.05, "intra_gbps": 2.0}
     return cm.cluster_from_dict({"name": "cpu", "gpu_types": {"cpu": cpu}, "machines": [machine]}, "test.yaml")
-
-
-def profile_doc(**efficiency) -> dict:
-    eff = {"mfu_train": 0.4, "mfu_infer": 0.6, "hbm_eff": 0.7, "decode_overhead_s": 0.002, **efficiency}
-    return {
-        "device": "test device",
-        "gpu_type": "cpu",
-        "efficiency": eff,
-        "nominal": {"gpu_type": "cpu", "tflops": 0.02, "hbm_tbps": 0.005},
-    }
-
-
-def write(tmp_path: Path, doc: dict, name: str = "p.yaml") -> Path:
-    path = tmp_path / name
-    path.write_text(yaml.safe_dump(doc))
-    return path
 
 
 # ----------------------------------------------------------------------------- host_cores
