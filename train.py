@@ -421,7 +421,7 @@ class TrainHead:
                 self.sync_predicted_bytes = cm.sync_bytes_sent(self.planned_buckets, len(senders))
             args = {"senders": senders, "dtype": str(self.sync_dtype), "bucket_bytes": self.bucket_bytes}
             args["timeout_s"], args["verify"] = self.cfg.dist.rollout_timeout_s, self.cfg.dist.verify_weights
-            args["handover"] = layout["handover"]
+            args["handover"] = weight_handover(self.cfg)
             self.command("sync", args=args)
             with self.collective(), self.throttle.piece("link"):
                 failed, sent = send_version(self.trainer, **{**args, "dtype": self.sync_dtype})
