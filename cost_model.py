@@ -46,7 +46,9 @@ class GPUType:
     hbm_tbps: float  # HBM bandwidth
     dollars_per_hour: float
     intra_gbps: float  # GPU<->GPU bandwidth inside one machine (NVLink, one direction)
-    emulate: Emulation | None = None  # CPU ranks of this type run at these fractions of the machine (emulation.py)
+    # CPU ranks of this type run at these fractions of the machine (emulation.py); the planner prices them so:
+    # tflops / hbm_tbps / intra_gbps stay this machine's, Cluster.speed applies the fractions
+    emulate: Emulation | None = None
 
 
 @dataclass(frozen=True)
@@ -74,22 +76,32 @@ class Cluster:
     def gpu(self, type_name: str) -> GPUType:
         return self.gpu_types[type_name]
 
-    def speed(self, machine: int) -> float:
-        """The fraction of its own rates a device of this machine runs at: min(1, host_cores / devices). A CPU
-        "device" is one process, and a device profile measures one process alone on a core; when a machine runs
-        more busy processes than it has cores, the OS time-slices them, so each gets host_cores / devices of a core
-        -- of its FLOP/s, of its memory bandwidth and of its host time alike. It counts every device of the machine
-        as busy: an asynchronous RL step keeps the rollout ranks decoding while the train ranks train. A side that
-        waits part of each step frees its core meanwhile, which this does not credit (the CPU demo's rollout ranks
-        are busy about 72% of a step, so its train ranks get about 0.6 of a core, not 0.5). 1 on a machine without
-        host_cores (GPUs do not share their SMs and HBM with each other)."""
-        m = self.machines[machine]
-        return 1.0 if m.host_cores is None else min(1.0, m.host_cores / m.gpus)
+    def speed(self, machine: int, kind: str = "compute") -> float:
+        """The fraction of its own rates a device of this machine runs at, for one kind of work (emulation.KINDS:
+        "compute" -- training, prefill; "bandwidth" -- decode; "link" -- weight sync): its type's emulated fraction
+        (1 without `emulate`) times its core share.
 
-    def type_speed(self, type_name: str) -> float:
+        The core share is min(1, host_cores / demand). A CPU "device" is one process, and a device profile measures
+        one process alone on a core; when a machine's busy processes want more cores than it has, the OS time-slices
+        them, so each gets host_cores / demand of a core -- of its FLOP/s, of its memory bandwidth and of its host
+        time alike. A plain device wants a whole core; an emulated one at most its largest fraction of one, since
+        it sleeps the rest of every piece of work (emulation.Throttle). It counts every device of the machine as
+        busy: an asynchronous RL step keeps the rollout ranks decoding while the train ranks train. A side that
+        waits part of each step frees its core meanwhile, which this does not credit (the CPU demo's rollout ranks
+        are busy about 72% of a step, so its train ranks get about 0.6 of a core, not 0.5). No core share on a
+        machine without host_cores (GPUs do not share their SMs and HBM with each other)."""
+        m = self.machines[machine]
+        emulate = self.gpu_types[m.gpu_type].emulate
+        fraction = 1.0 if emulate is None else emulate.fraction(kind)
+        if m.host_cores is None:
+            return fraction
+        demand = m.gpus * (1.0 if emulate is None else emulate.demand)
+        return fraction * min(1.0, m.host_cores / demand)
+
+    def type_speed(self, type_name: str, kind: str = "compute") -> float:
         """Cluster.speed of a GPU type: its slowest machine's (the planner prices a rollout replica per type; on
         every shipped cluster the machines of a type have one speed)."""
-        return min((self.speed(m.index) for m in self.machines if m.gpu_type == type_name), default=1.0)
+        return min((self.speed(m.index, kind) for m in self.machines if m.gpu_type == type_name), default=1.0)
 
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between one GPU on machine a and one on machine b (a == b: NVLink)."""
@@ -617,15 +629,18 @@ def replica_cost(
     pp_gbps: float,
     bucket_bytes: float = 64 * 2**20,
     speed: float = 1.0,
+    prefill_speed: float | None = None,
 ) -> ReplicaCost | None:
     """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit. `speed`:
-    the share of its devices it gets (Cluster.speed), scaling decode and prefill alike."""
+    the share of its devices' rates it gets in decode (Cluster.speed of "bandwidth"), `prefill_speed` in prefill
+    (of "compute"; default `speed`)."""
     batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac, bucket_bytes), wl.max_batch)
     if batch < 1:
         return None
     te = eff.of(gpu.name)
     round_s = decode_round_s(model, gpu, te, tp, pp, batch, wl.decode_context, wl.bytes, pp_gbps, speed)
-    return ReplicaCost(batch, round_s, batch / round_s, tp * pp * gpu.tflops * te.mfu_infer * speed)
+    prefill_speed = speed if prefill_speed is None else prefill_speed
+    return ReplicaCost(batch, round_s, batch / round_s, tp * pp * gpu.tflops * te.mfu_infer * prefill_speed)
 
 
 def rollout_seconds(
@@ -1130,29 +1145,37 @@ def load_profile(path: str | os.PathLike) -> DeviceProfile:
 
 
 def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source: str) -> Efficiency:
-    """eff with prof.gpu_type's constants replaced by the profile's. The type must be one of the cluster's; where
-    the cluster gives it other nominal numbers than the profile's, the fractions are rescaled so that the achieved
-    rates (fraction x nominal) stay the measured ones. A profile with a `sync` section also sets the weight-sync
+    """eff with prof.gpu_type's constants replaced by the profile's. The type must be one of the cluster's, or the
+    cluster must emulate device types (emulation.py): those are fractions of the machine that ran the profile, so a
+    profile of another type of this machine (exp/profiles/cpu.yaml) applies to each of them (Cluster.speed then
+    prices the fractions); a profile of an emulated type itself (`schedule.py profile --gpu-type <it>`, measured
+    under its throttle, normalised to the machine) applies to it alone -- give it after the machine's. Where the cluster gives
+    a type other nominal numbers than the profile's, the fractions are rescaled so that the achieved rates
+    (fraction x nominal) stay the measured ones. A profile with a `sync` section also sets the weight-sync
     constants, which are the cluster's (Efficiency.link_eff, sync_latency_s): link_eff = the measured GB/s over the
     type's intra_gbps, so that the achieved bandwidth of a bucket hop is the measured one."""
-    if prof.gpu_type not in cluster.gpu_types:
+    emulated = [name for name, g in cluster.gpu_types.items() if g.emulate is not None]
+    targets = [prof.gpu_type] if prof.gpu_type in cluster.gpu_types else sorted(emulated)
+    if not targets:
         raise SpecError(
             f"{source}: gpu_type '{prof.gpu_type}' is not a GPU type of cluster {cluster.name} "
             f"{sorted(cluster.gpu_types)}"
         )
-    g, te = cluster.gpu_types[prof.gpu_type], prof.efficiency
-    flops, bw = prof.tflops / g.tflops, prof.hbm_tbps / g.hbm_tbps
+    te = prof.efficiency
     out = Efficiency.from_dict(eff.to_dict())
-    out.per_type[prof.gpu_type] = TypeEfficiency(
-        mfu_train=te.mfu_train * flops,
-        mfu_infer=te.mfu_infer * flops,
-        hbm_eff=te.hbm_eff * bw,
-        decode_overhead_s=te.decode_overhead_s,
-        train_overhead_s=te.train_overhead_s,
-        mfu_decode=None if te.mfu_decode is None else te.mfu_decode * flops,
-    )
+    for name in targets:
+        g = cluster.gpu_types[name]
+        flops, bw = prof.tflops / g.tflops, prof.hbm_tbps / g.hbm_tbps
+        out.per_type[name] = TypeEfficiency(
+            mfu_train=te.mfu_train * flops,
+            mfu_infer=te.mfu_infer * flops,
+            hbm_eff=te.hbm_eff * bw,
+            decode_overhead_s=te.decode_overhead_s,
+            train_overhead_s=te.train_overhead_s,
+            mfu_decode=None if te.mfu_decode is None else te.mfu_decode * flops,
+        )
     if prof.link_gbps is not None:
-        out.link_eff = prof.link_gbps / g.intra_gbps
+        out.link_eff = prof.link_gbps / cluster.gpu_types[targets[0]].intra_gbps
         out.sync_latency_s = prof.sync_latency_s
     return out
 

@@ -3,14 +3,17 @@
 A cluster YAML may give a GPU type an `emulate` entry -- fractions in (0, 1] of this machine's own speed:
 
     gpu_types:
-      h20ish:  {hbm_gb: 2, tflops: 0.005, hbm_tbps: 0.004, dollars_per_hour: 0.05, intra_gbps: 2.0,
+      h20ish:  {hbm_gb: 2, tflops: 0.02, hbm_tbps: 0.005, dollars_per_hour: 0.05, intra_gbps: 2.0,
                 emulate: {compute: 0.25, bandwidth: 0.8, link: 1.0}}
 
 Every rank of that type then pads each measured piece of its work with a sleep, so the piece takes t / fraction
 instead of t (duty-cycle throttling): decode steps (memory-bound) by `bandwidth`, prefill and training steps
-(compute-bound) by `compute`, weight-sync transfers by `link`. It only ever slows a rank down, is off unless the
+(compute-bound) by `compute`, weight-sync transfers by `link`. For compute and decode pieces t is the CPU time the
+piece cost (WALL_KINDS below), so other ranks sharing the core do not slow an emulated rank further while each gets
+at least its fraction of a core. It only ever slows a rank down, is off unless the
 plan's cluster declares it, and every metric line of an emulated run says so (`emulated`). The planner prices the
-type from its YAML numbers; keep them this machine's profile times the fractions.
+type at the fractions of its YAML numbers (cost_model.Cluster.speed), so keep those this machine's: a device profile
+of this machine (`schedule.py profile`) applies to every emulated type of a cluster (cost_model.apply_profile).
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ class Emulation:
                     f"a rank down), got {value}"
                 )
 
+    def fraction(self, kind: str) -> float:
+        if kind not in KINDS:
+            raise EmulationError(f"unknown kind of work {kind!r} (known: {list(KINDS)})")
+        return getattr(self, kind)
+
+    @property
+    def demand(self) -> float:
+        """The most of a core this rank keeps busy: it sleeps 1 - fraction of every piece of work."""
+        return max(self.compute, self.bandwidth, self.link)
+
     @staticmethod
     def from_dict(spec: dict | None, where: str) -> Emulation | None:
         if spec is None:
@@ -60,6 +73,14 @@ class Emulation:
             raise EmulationError(f"{where}: emulate fractions must be numbers ({e})") from None
 
 
+# Compute and decode pieces are CPU work: what they cost is the CPU time the rank's thread spends on them, not the
+# wall time, which stretches when other ranks' pieces share the core. Padding to cpu / fraction absorbs that
+# contention (as long as the rank gets at least `fraction` of a core meanwhile: Cluster.speed's demand rule), so
+# ranks whose bursts coincide -- every rank of a DP group computes at once -- still run at exactly their fraction.
+# A link piece is a transfer, mostly waiting on the other end: it is padded by its wall time.
+WALL_KINDS = ("link",)
+
+
 @dataclass
 class Throttle:
     """One rank's throttle; `emulation` None makes every call free."""
@@ -72,21 +93,49 @@ class Throttle:
     def active(self) -> bool:
         return self.emulation is not None
 
-    def pad(self, kind: str, seconds: float) -> float:
-        """A piece of `kind` just took `seconds`: sleep so it takes seconds / fraction. Returns the sleep."""
+    def pad(self, kind: str, seconds: float, cpu_seconds: float | None = None) -> float:
+        """A piece of `kind` just took `seconds` of wall time (`cpu_seconds` of this thread's CPU time): sleep so
+        that it takes cost / fraction, its cost being its CPU time for compute and bandwidth pieces (its wall time
+        for link pieces, or when no CPU time is given). Returns the sleep."""
+        return self.pad_split({kind: (seconds, cpu_seconds)}, seconds)
+
+    def pad_split(self, parts: dict[str, tuple[float, float | None]], seconds: float) -> float:
+        """One piece of `seconds` wall time made of parts {kind: (wall_s, cpu_s)}: sleep so that it takes the sum of
+        each part's cost / its fraction (see pad). The sleep is booked to the parts in proportion to their extra."""
         if self.emulation is None or seconds <= 0:
             return 0.0
-        extra = seconds * (1.0 / getattr(self.emulation, kind) - 1.0)
-        if extra > 0:
-            time.sleep(extra)
-            self.slept_s[kind] += extra
+        target, extras = 0.0, {}
+        for kind, (wall, cpu) in parts.items():
+            cost = wall if cpu is None or kind in WALL_KINDS else cpu
+            target += cost / self.emulation.fraction(kind)
+            extras[kind] = max(0.0, cost / self.emulation.fraction(kind) - wall)
+        extra = target - seconds
+        if extra <= 0:
+            return 0.0
+        time.sleep(extra)
+        total = sum(extras.values()) or 1.0
+        for kind, e in extras.items():
+            self.slept_s[kind] += extra * e / total
         return extra
+
+    def generator_step(self, gen) -> list:
+        """One rollout.Generator step, its prefill part padded by the compute fraction and the rest (decode,
+        memory-bound) by the bandwidth fraction; the step's CPU time is split as its wall time is."""
+        if self.emulation is None:
+            return gen.step()
+        prefill_before, t0, c0 = gen.stats.prefill_seconds, time.perf_counter(), time.thread_time()
+        outs = gen.step()
+        took, cpu = time.perf_counter() - t0, time.thread_time() - c0
+        prefill = min(took, gen.stats.prefill_seconds - prefill_before)
+        share = prefill / took if took > 0 else 0.0
+        self.pad_split({"compute": (prefill, cpu * share), "bandwidth": (took - prefill, cpu * (1 - share))}, took)
+        return outs
 
     @contextlib.contextmanager
     def piece(self, kind: str):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         yield
-        self.pad(kind, time.perf_counter() - t0)
+        self.pad(kind, time.perf_counter() - t0, time.thread_time() - c0)
 
     @staticmethod
     def for_rank(plan: dict, rank: int) -> Throttle:

@@ -434,13 +434,7 @@ class RolloutWorker:
     def step(self, gen: Generator) -> list:
         """One generator step; on an emulated device type its prefill part is padded by the compute fraction and
         the rest (decode, memory-bound) by the bandwidth fraction."""
-        prefill_before, t0 = gen.stats.prefill_seconds, time.perf_counter()
-        outs = gen.step()
-        if self.throttle.active:
-            took, prefill = time.perf_counter() - t0, gen.stats.prefill_seconds - prefill_before
-            self.throttle.pad("compute", prefill)
-            self.throttle.pad("bandwidth", took - prefill)
-        return outs
+        return self.throttle.generator_step(gen)
 
     def counters(self) -> dict:
         # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:

@@ -224,7 +224,8 @@ class Planner:
             dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
             nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
             specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
-        speeds = [min(self.cluster.speed(m) for m in ms) for _, ms, *_ in specs]  # CPU cores shared (Cluster.speed)
+        # CPU cores shared, emulated types (Cluster.speed)
+        speeds = [min(self.cluster.speed(m, "compute") for m in ms) for _, ms, *_ in specs]
         key = (tuple(types), dp, tp, pp)
         if key not in self._split_cache:
             self._split_cache[key] = self._split_layers(types, dp, tp, pp)
@@ -239,7 +240,9 @@ class Planner:
         """Layers per stage proportional to stage compute (the LM head counts on the last stage), then
         moved off stages that exceed memory, then greedily off the slowest stage while that helps."""
         L, mdl = self.model.layers, self.model
-        speed = [self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t) for t in types]
+        speed = [
+            self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t, "compute") for t in types
+        ]
         f_layer = mdl.layer_flops_per_token(self.wl.decode_context)
         f_head = 2 * mdl.head_params
         head = [0.0] * (pp - 1) + [f_head]
@@ -377,8 +380,11 @@ class Planner:
                 if tp > max_tp or rollout_tp_problems(self.model, tp):
                     continue
                 bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
-                speed = self.cluster.type_speed(gpu_type)  # < 1 only where CPU processes share cores
-                cost = cm.replica_cost(self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, speed)
+                # < 1 only where CPU processes share cores or the type is emulated
+                decode, prefill = self.cluster.type_speed(gpu_type, "bandwidth"), self.cluster.type_speed(gpu_type)
+                cost = cm.replica_cost(
+                    self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, decode, prefill
+                )
                 if cost:
                     out.append(ReplicaConfig(gpu_type, tp, 1, cost))
             self._configs_cache[gpu_type] = out
@@ -538,7 +544,7 @@ class Planner:
         if train and rollout:
             machines = self.rollout_machines(rollout)
             owners = self.owner_machines(train)
-            speed = min(self.cluster.speed(m) for m in {*machines, *(m for stage in owners for m in stage)})
+            speed = min(self.cluster.speed(m, "link") for m in {*machines, *(m for stage in owners for m in stage)})
             sync_s = cm.sync_seconds(
                 self.sync_buckets(train), machines, owners, self.cluster.link_gbps, self.eff, speed
             )

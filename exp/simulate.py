@@ -90,7 +90,8 @@ def build_replicas(
     for rep in plan["rollout"]["replicas"]:
         gpu, te = cluster.gpu(rep["gpu_type"]), eff.of(rep["gpu_type"])
         link = gpu.intra_gbps
-        speed = cluster.type_speed(rep["gpu_type"])  # < 1 where CPU processes share cores, as the planner prices it
+        # < 1 where CPU processes share cores or the type is emulated, as the planner prices it
+        speed = cluster.type_speed(rep["gpu_type"], "bandwidth")
         curve = [0.0] + [
             cm.decode_round_s(model, gpu, te, rep["tp"], rep["pp"], n, wl.decode_context, wl.bytes, link, speed)
             for n in range(1, rep["batch"] + 1)
@@ -101,7 +102,9 @@ def build_replicas(
         prefill = (
             prefill_s_per_token
             if prefill_s_per_token is not None
-            else 2 * model.params / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer * speed)
+            else 2
+            * model.params
+            / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer * cluster.type_speed(rep["gpu_type"]))
         )
         out.append(Replica(rep["batch"], curve, prefill))
     if not out:

@@ -1,0 +1,348 @@
+"""Heterogeneity measured end to end on one machine: the planner's plan against four alternatives, each run on
+emulated device types (emulation.py), predicted by the cost model and measured side by side.
+
+    bash exp/hetero_cpu.sh                                     # -> runs/hetero_cpu-<time>/
+    python exp/hetero_cpu.py --out /tmp/h --steps 6 --repeats 1   # shorter
+    python exp/hetero_cpu.py --out /tmp/h --plans-only            # plan and predict, run nothing
+
+The cluster (exp/clusters/cpu_hetero.yaml): two emulated machines of two ranks on this machine's cores, one of a
+bandwidth-rich, compute-poor type (like an H20) and one of a compute-rich, bandwidth-poor type (like an H800), at the
+same price per rank, so that neither all-of-one-type cluster of the same budget is best. The five plans:
+
+  planner        `schedule.py`'s plan for the cluster
+  swapped        the planner's roles swapped: each machine trains on the ranks it generated on and vice versa
+  mixed          one rank of each type per role (train dp 2 across the types, one rollout replica of each)
+  all-<type>     the planner's plan for the same machines all of one type (the same budget, prices equal)
+
+Each plan is planned and priced with the device profile of this machine (--profile, `schedule.py profile`), whose
+constants apply to every emulated type at its fractions (cost_model.apply_profile, Cluster.speed). Each run is
+train.py on the CPU demo's job (exp/configs/cpu_demo.yaml: 16 prompts x 8 samples, eta 4; --max-batch 8 sequences
+per replica) for --steps steps,
+without evaluations, one torchrun agent per emulated machine (static rendezvous on 127.0.0.1, so node k is the
+plan's machine k). The runs go round robin over the plans, --repeats times, each round in a rotated order, so the
+machine's drift spreads over every plan.
+
+Measured per plan: the median step_s of every run's steps after the first --skip (warm-up: compilation, the buffer
+filling up to eta), and trained tokens / s over the same steps. Predicted: the cost model's step for the plan's
+split on the workload the runs had -- their mean prompt and response lengths (inputs, like the paper's profiled
+output distribution, not timings); the plans themselves were made with --gen-mean before any run. Writes
+<out>/hetero_summary.json (one entry per plan: name, is_planner_plan, predicted_step_s, measured_step_s,
+measured_tokens_per_s, and more) and prints the table; exit status 1 when a run failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import cost_model as cm  # noqa: E402
+import schedule as sc  # noqa: E402
+from config import load_config  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "exp"))
+from check_profile_prediction import mean_prompt_tokens, train_passes  # noqa: E402
+
+
+def workload(cfg, prompt_len: float, gen_mean: float) -> cm.Workload:
+    """The CPU demo job's workload as the planner reads it."""
+    return cm.Workload(
+        prompts_per_step=cfg.train.prompts_per_step,
+        samples_per_prompt=cfg.rollout.samples_per_prompt,
+        prompt_len=prompt_len,
+        gen_samples=[gen_mean],
+        eta=cfg.staleness.max_staleness,
+        precision="fp32",
+        ppo_minibatches=cfg.train.ppo_minibatches,
+        microbatch_tokens=cfg.train.micro_batch_tokens,
+        max_batch=cfg.rollout.max_batch_size,
+        train_passes=train_passes(
+            {
+                "ppo_minibatches": cfg.train.ppo_minibatches,
+                "recompute_prox_logprobs": cfg.train.recompute_prox_logprobs,
+                "kl_coef": cfg.train.kl_coef,
+            }
+        ),
+    )
+
+
+def all_of_type(spec: dict, type_name: str) -> dict:
+    """The cluster with every machine of `type_name` (same machines, links of that type pair)."""
+    out = json.loads(json.dumps(spec))
+    out["name"] = f"{spec.get('name', 'cluster')}-all-{type_name}"
+    out["gpu_types"] = {type_name: spec["gpu_types"][type_name]}
+    for m in out["machines"]:
+        m["gpu_type"] = type_name
+    pair = f"{type_name}-{type_name}"
+    gbps = (spec.get("links", {}).get("inter_gbps") or {}).get(pair)
+    out["links"] = {"inter_gbps": {pair: gbps if gbps is not None else 1.0}}
+    return out
+
+
+def planner_for(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profile: str, bucket_mb: float) -> sc.Planner:
+    cluster = cm.cluster_from_dict(spec, "cluster")
+    eff = cm.apply_profile(cm.Efficiency(), cluster, cm.load_profile(profile), profile)
+    return sc.Planner(cluster, model, wl, eff, weight_bucket_mb=bucket_mb)
+
+
+def make_plans(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profile: str, bucket_mb: float) -> dict:
+    """{name: (plan JSON, cluster spec)} of the five plans (identical splits keep their own names)."""
+    p = planner_for(spec, model, wl, profile, bucket_mb)
+    if len(p.cluster.machines) != 2 or len(p.types) != 2:
+        raise SystemExit(f"error: {spec.get('name')}: the experiment needs two machines of two GPU types")
+    planned = p.solve()
+    gpus = [m.gpus for m in p.cluster.machines]
+    swapped = tuple(n - k for n, k in zip(gpus, planned.train_counts))
+    mixed = tuple(n // 2 for n in gpus)
+    plans = {"planner": (planned, p, spec)}
+    for name, counts in (("swapped", swapped), ("mixed", mixed)):
+        ev = p.evaluate(counts)
+        if not ev.train or not ev.rollout:
+            raise SystemExit(f"error: the {name} split {counts} has no feasible plan on {spec.get('name')}")
+        plans[name] = (ev, p, spec)
+    for t in p.types:
+        sub = all_of_type(spec, t)
+        q = planner_for(sub, model, wl, profile, bucket_mb)
+        plans[f"all-{t}"] = (q.solve(), q, sub)
+    return {name: (sc.to_plan_json(planner, ev), s) for name, (ev, planner, s) in plans.items()}
+
+
+def predict(plan: dict, spec: dict, model, wl: cm.Workload, profile: str, bucket_mb: float) -> sc.Evaluation:
+    """The cost model's evaluation of the plan's split and train layout on workload `wl`."""
+    p = planner_for(spec, model, wl, profile, bucket_mb)
+    p.forced_layout = (plan["train"]["dp"], plan["train"]["tp"], plan["train"]["pp"])
+    counts = [0] * len(p.cluster.machines)
+    for r in plan["ranks"]:
+        counts[r["machine"]] += r["role"] == "train"
+    return p.evaluate(tuple(counts))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(plan_path: Path, run_dir: Path, plan: dict, args) -> tuple[bool, float]:
+    """train.py on the plan: one torchrun agent per plan machine (its node), static rendezvous. (ok, seconds)."""
+    nodes = []
+    for r in plan["ranks"]:  # machines in rank order are the plan's nodes (parallel/rankmap.py)
+        if not nodes or nodes[-1][0] != r["machine"]:
+            nodes.append([r["machine"], 0])
+        nodes[-1][1] += 1
+    port = free_port()
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+        "WANDB_MODE": "disabled",
+        "OMP_NUM_THREADS": "1",
+        "HEXRL_THREADS": "1",
+    }
+    overrides = [
+        "config=cpu_demo",
+        f"model.path={args.model}",
+        f"plan.path={plan_path.resolve()}",
+        f"train.total_steps={args.steps}",
+        "train.max_train_seconds=0",
+        "logging.eval_every=0",
+        "logging.progress=false",
+        "logging.wandb=disabled",
+        f"logging.run_dir={run_dir.parent.resolve()}",
+        f"logging.run_name={run_dir.name}",
+        *args.extra,
+    ]
+    procs, t0 = [], time.perf_counter()
+    for node, (_machine, count) in enumerate(nodes):
+        cmd = [sys.executable, "-m", "torch.distributed.run", f"--nnodes={len(nodes)}", f"--node_rank={node}"]
+        cmd += [f"--nproc_per_node={count}", "--master_addr=127.0.0.1", f"--master_port={port}", "--max_restarts=0"]
+        log = open(run_dir.parent / f"{run_dir.name}.node{node}.log", "w")
+        procs.append((subprocess.Popen([*cmd, "train.py", *overrides], cwd=ROOT, env=env, stdout=log, stderr=log), log))
+    ok = True
+    for proc, log in procs:
+        try:
+            ok &= proc.wait(timeout=args.run_timeout) == 0
+        except subprocess.TimeoutExpired:
+            ok = False
+            for q, _ in procs:
+                q.kill()
+        log.close()
+    return ok, time.perf_counter() - t0
+
+
+def steady(run_dir: Path, skip: int) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return [r for r in rows if "step_s" in r][skip:]
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--cluster", default=str(ROOT / "exp/clusters/cpu_hetero.yaml"))
+    ap.add_argument("--profile", default=str(ROOT / "exp/profiles/cpu.yaml"), help="this machine's device profile")
+    ap.add_argument("--model", default="exp/tiny-model")
+    ap.add_argument("--out", default=None, help="run directory (default runs/hetero_cpu-<time>)")
+    ap.add_argument("--steps", type=int, default=14, help="RL steps per run")
+    ap.add_argument("--skip", type=int, default=4, help="warm-up steps of each run left out of the medians")
+    ap.add_argument("--repeats", type=int, default=2, help="rounds over the five plans")
+    ap.add_argument("--gen-mean", type=float, default=25.0, help="the response length the plans are made for")
+    ap.add_argument(
+        "--max-batch",
+        type=int,
+        default=8,
+        help="rollout.max_batch_size: sequences a replica decodes at once (the demo's 64 makes the tiny model's "
+        "decode compute-bound and the job all training; 8 keeps decode memory-bound, as a long-context RL "
+        "rollout's is, so both sides weigh)",
+    )
+    ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
+    ap.add_argument("--plans-only", action="store_true", help="plan and predict; run nothing")
+    ap.add_argument("extra", nargs="*", help="train.py key=value overrides for every run")
+    args = ap.parse_args(argv)
+    if args.steps <= args.skip:
+        raise SystemExit(f"error: --steps {args.steps} must exceed --skip {args.skip} (the warm-up left out)")
+    out = Path(args.out or ROOT / f"runs/hetero_cpu-{time.strftime('%Y%m%d-%H%M%S')}")
+    if (out / "hetero_summary.json").exists():
+        raise SystemExit(f"error: {out} already holds an experiment; pick another --out")
+    out.mkdir(parents=True, exist_ok=True)
+
+    args.extra = [f"rollout.max_batch_size={args.max_batch}", *args.extra]
+    cfg = load_config(["config=cpu_demo", f"model.path={args.model}", *args.extra])
+    spec = yaml.safe_load(Path(args.cluster).read_text())
+    model = cm.load_model_spec(ROOT / args.model)
+    prompt_len = mean_prompt_tokens({"model": {"path": args.model}, "data": vars(cfg.data)})
+    bucket_mb = cfg.dist.weight_bucket_mb
+    wl = workload(cfg, prompt_len, args.gen_mean)
+    plans = make_plans(spec, model, wl, args.profile, bucket_mb)
+    for name, (pj, _) in plans.items():
+        (out / f"plan_{name}.json").write_text(json.dumps(pj, indent=1))
+    names = list(plans)
+    print(f"{len(names)} plans on {spec['name']} for {wl.batch} sequences/step, prompt {prompt_len:.1f} + response "
+          f"{args.gen_mean:g} tokens, eta {wl.eta} (profile {args.profile})")  # fmt: skip
+    for name, (pj, _) in plans.items():
+        print(f"  {name:12s} {describe(pj)}  predicted step {pj['predicted']['step_s']:.2f} s")
+
+    failed = []
+    if not args.plans_only:
+        for rep in range(args.repeats):
+            order = names[rep % len(names) :] + names[: rep % len(names)]
+            for name in order:
+                run_dir = out / "runs" / f"{name}_r{rep}"
+                if (run_dir / "metrics.jsonl").exists():
+                    continue  # a resumed experiment keeps the runs it has
+                run_dir.parent.mkdir(parents=True, exist_ok=True)
+                ok, took = launch(out / f"plan_{name}.json", run_dir, plans[name][0], args)
+                print(f"  round {rep} {name:12s} {'ok' if ok else 'FAILED'} in {took:.0f} s", flush=True)
+                if not ok:
+                    failed.append(run_dir.name)
+
+    entries = []
+    for name, (pj, sub) in plans.items():
+        runs = sorted((out / "runs").glob(f"{name}_r*")) if (out / "runs").exists() else []
+        rows = [r for d in runs if (d / "metrics.jsonl").exists() for r in steady(d, args.skip)]
+        entry = {"name": name, "is_planner_plan": name == "planner", "split": describe(pj)}
+        entry["planned_step_s"] = pj["predicted"]["step_s"]
+        if rows:
+            gen = statistics.fmean(r["response_len_mean"] for r in rows)
+            ev = predict(pj, sub, model, workload(cfg, prompt_len, gen), args.profile, bucket_mb)
+            entry |= {
+                "runs": len(runs),
+                "steps": len(rows),
+                "response_len_mean": gen,
+                "predicted_step_s": ev.step_s,
+                "predicted": {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s},
+                "measured_step_s": statistics.median(r["step_s"] for r in rows),
+                "measured_step_s_per_run": [
+                    statistics.median(r["step_s"] for r in steady(d, args.skip))
+                    for d in runs
+                    if (d / "metrics.jsonl").exists()
+                ],
+                "measured": {
+                    "train_s": statistics.median(r["train_s"] for r in rows),
+                    "sync_s": statistics.median(r["weight_sync_s"] for r in rows),
+                    "rollout_idle_frac": statistics.fmean(r["rollout_idle_frac"] for r in rows),
+                    "trainer_idle_frac": statistics.fmean(r["trainer_idle_frac"] for r in rows),
+                },
+                "measured_tokens_per_s": sum(r["trained_tokens"] for r in rows) / sum(r["step_s"] for r in rows),
+                "emulated": rows[0].get("emulated"),
+            }
+            entry["error"] = (entry["predicted_step_s"] - entry["measured_step_s"]) / entry["measured_step_s"]
+        else:
+            entry["predicted_step_s"] = pj["predicted"]["step_s"]
+        entries.append(entry)
+    summary = {
+        "cluster": spec,
+        "profile": args.profile,
+        "workload": wl.to_dict(),
+        "steps": args.steps,
+        "skip": args.skip,
+        "repeats": args.repeats,
+        "failed_runs": failed,
+        "plans": entries,
+    }
+    measured = [e for e in entries if "measured_step_s" in e]
+    if measured:
+        fastest = min(measured, key=lambda e: e["measured_step_s"])
+        by_pred = sorted(measured, key=lambda e: e["predicted_step_s"])
+        by_meas = sorted(measured, key=lambda e: e["measured_step_s"])
+        summary |= {
+            "fastest_measured": fastest["name"],
+            "planner_fastest": fastest["is_planner_plan"],
+            "rankings_agree": [e["name"] for e in by_pred] == [e["name"] for e in by_meas],
+            "max_abs_error": max(abs(e["error"]) for e in measured),
+        }
+    (out / "hetero_summary.json").write_text(json.dumps(summary, indent=1))
+    print(format_table(summary))
+    print(f"wrote {out / 'hetero_summary.json'}")
+    return 1 if failed else 0
+
+
+def describe(pj: dict) -> str:
+    """Where the roles run: 'train 2 x h800ish (dp2 tp1 pp1) | rollout 2 x h20ish'."""
+    count = lambda role: "+".join(  # noqa: E731
+        f"{n}x{t}"
+        for t, n in sorted(
+            {
+                t: sum(1 for r in pj["ranks"] if r["role"] == role and r["gpu_type"] == t)
+                for t in {r["gpu_type"] for r in pj["ranks"]}
+            }.items()
+        )
+        if n
+    )
+    t = pj["train"]
+    return f"train {count('train')} (dp{t['dp']} tp{t['tp']} pp{t['pp']}) | rollout {count('rollout')}"
+
+
+def format_table(summary: dict) -> str:
+    head = f"{'plan':12s} {'split':52s} {'predicted s':>11s} {'measured s':>10s} {'error':>7s} {'tokens/s':>9s}"
+    lines = [head, "-" * len(head)]
+    for e in summary["plans"]:
+        if "measured_step_s" not in e:
+            lines.append(f"{e['name']:12s} {e['split']:52s} {e['predicted_step_s']:11.2f} {'-':>10s}")
+            continue
+        star = " *" if e["name"] == summary.get("fastest_measured") else ""
+        lines.append(
+            f"{e['name']:12s} {e['split']:52s} {e['predicted_step_s']:11.2f} {e['measured_step_s']:10.2f} "
+            f"{e['error'] * 100:+6.1f}% {e['measured_tokens_per_s']:9.0f}{star}"
+        )
+    if "fastest_measured" in summary:
+        lines.append(
+            f"fastest measured: {summary['fastest_measured']} (* ; the planner's plan "
+            f"{'is' if summary['planner_fastest'] else 'is NOT'} the fastest); predicted and measured rankings "
+            f"{'agree' if summary['rankings_agree'] else 'DISAGREE'}; largest |error| "
+            f"{summary['max_abs_error'] * 100:.1f}%"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
