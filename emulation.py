@@ -55,8 +55,9 @@ class Emulation:
 
     @property
     def demand(self) -> float:
-        """The most of a core this rank keeps busy: it sleeps 1 - fraction of every piece of work."""
-        return max(self.compute, self.bandwidth, self.link)
+        """The most of a core this rank keeps busy: it sleeps 1 - fraction of every piece of CPU work (compute and
+        decode; a link piece is mostly a wait on the other end)."""
+        return max(self.compute, self.bandwidth)
 
     @staticmethod
     def from_dict(spec: dict | None, where: str) -> Emulation | None:

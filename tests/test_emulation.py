@@ -164,3 +164,109 @@ def test_an_emulated_run_says_so_in_every_step_line(tmp_path, tiny_model_dir):
     steps = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(steps) == 2 and all(m["emulated"] == ["slow"] for m in steps)
     assert steps[-1]["rollout_throttle_s"] > 0
+
+
+# -- the planner prices an emulated type at its fractions (cost_model.Cluster.speed) -----------------------------
+
+
+def two_type_cluster(host_cores: float | None = 1) -> cm.Cluster:
+    base = {"hbm_gb": 2, "tflops": 0.02, "hbm_tbps": 0.005, "dollars_per_hour": 1.0, "intra_gbps": 2.0}
+    cores = {} if host_cores is None else {"host_cores": host_cores}
+    return cm.cluster_from_dict(
+        {
+            "name": "two",
+            "gpu_types": {
+                "bw": {**base, "emulate": {"compute": 0.25, "bandwidth": 0.5}},
+                "fl": {**base, "emulate": {"compute": 0.5, "bandwidth": 0.2, "link": 0.4}},
+                "cpu": base,
+            },
+            "machines": [
+                {"gpu_type": "bw", "gpus": 2, **cores},
+                {"gpu_type": "fl", "gpus": 2, **cores},
+                {"gpu_type": "cpu", "gpus": 4, **({"host_cores": 2} if host_cores is not None else {})},
+            ],
+            "links": {
+                "inter_gbps": {"bw-bw": 1.0, "bw-fl": 1.0, "fl-fl": 1.0, "bw-cpu": 1.0, "cpu-fl": 1.0, "cpu-cpu": 1}
+            },
+        }
+    )
+
+
+def test_cluster_speed_is_the_kinds_fraction_times_a_core_share_by_demand():
+    c = two_type_cluster(host_cores=1)
+    # two ranks wanting at most half a core each fit in one core: the fractions alone
+    assert [c.speed(0, k) for k in ("compute", "bandwidth", "link")] == [0.25, 0.5, 1.0]
+    assert [c.speed(1, k) for k in ("compute", "bandwidth", "link")] == [0.5, 0.2, 0.4]
+    assert c.type_speed("fl", "bandwidth") == 0.2 and c.type_speed("fl") == 0.5  # compute by default
+    assert c.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4, as before
+    half = two_type_cluster(host_cores=0.5)  # now each rank gets a quarter of a core, half of what it wants
+    assert [half.speed(0, k) for k in ("compute", "bandwidth")] == [0.125, 0.25]
+    assert two_type_cluster(host_cores=None).speed(1, "bandwidth") == 0.2  # no core share without host_cores
+    with pytest.raises(EmulationError, match="unknown kind"):
+        c.speed(0, "flops")
+
+
+def test_an_emulated_replica_and_stage_cost_the_machines_divided_by_the_fractions():
+    c, model, wl = two_type_cluster(None), cm.load_model_spec(ROOT / "exp/tiny-model"), cm.Workload(max_batch=8)
+    eff = cm.Efficiency(per_type={"*": cm.TypeEfficiency(decode_overhead_s=0.002, train_overhead_s=0.05)})
+    gpu = c.gpu("fl")
+    native = cm.replica_cost(model, gpu, 1, 1, wl, eff, 2.0)
+    emulated = cm.replica_cost(model, gpu, 1, 1, wl, eff, 2.0, 64 * 2**20, c.type_speed("fl", "bandwidth"), 0.5)
+    assert emulated.round_s == pytest.approx(native.round_s / 0.2)  # decode, its per-step overhead included
+    assert emulated.prefill_tflops == pytest.approx(native.prefill_tflops * 0.5)
+    stage = lambda speed: cm.StageSpec("fl", model.layers, (1,), 2.0, 2.0, 0.0, speed)  # noqa: E731
+    t_native = cm.train_step_seconds(model, [stage(1.0)], 1, 1, c.gpu_types, wl, eff)
+    t_emulated = cm.train_step_seconds(model, [stage(c.speed(1, "compute"))], 1, 1, c.gpu_types, wl, eff)
+    assert t_emulated == pytest.approx(t_native / 0.5)
+
+
+def test_a_machine_profile_applies_to_every_emulated_type_and_a_type_profile_to_itself():
+    c = two_type_cluster(None)
+    machine = cm.DeviceProfile("host", cm.TypeEfficiency(0.4, 0.6, 0.7, 0.002), 0.04, 0.01, 0.2, 0.001)
+    eff = cm.apply_profile(cm.Efficiency(), cm.Cluster(c.name, {k: v for k, v in c.gpu_types.items() if k != "cpu"},
+                                                        c.machines[:2], c.inter_gbps), machine, "m.yaml")  # fmt: skip
+    for t in ("bw", "fl"):  # the type's nominal is half the profile's: the fractions double, the rates stay measured
+        assert eff.of(t).mfu_train == pytest.approx(0.8) and eff.of(t).hbm_eff == pytest.approx(1.4)
+    assert eff.link_eff == pytest.approx(0.1) and eff.sync_latency_s == 0.001
+    own = cm.DeviceProfile("fl", cm.TypeEfficiency(0.3, 0.5, 0.6, 0.001), 0.02, 0.005)
+    eff2 = cm.apply_profile(eff, c, own, "fl.yaml")
+    assert eff2.of("fl").mfu_train == pytest.approx(0.3) and eff2.of("bw").mfu_train == pytest.approx(0.8)
+    plain = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml")
+    with pytest.raises(cm.SpecError, match="not a GPU type of cluster"):
+        cm.apply_profile(cm.Efficiency(), plain, machine, "m.yaml")
+
+
+def test_the_hetero_experiment_plans_five_splits_of_one_budget():
+    sys.path.insert(0, str(ROOT / "exp"))
+    import hetero_cpu
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
+    model = cm.load_model_spec(ROOT / "exp/tiny-model")
+    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
+                     precision="fp32", microbatch_tokens=1024, max_batch=8, train_passes=3)  # fmt: skip
+    plans = hetero_cpu.make_plans(spec, model, wl, str(ROOT / "exp/profiles/cpu.yaml"), 64.0)
+    assert list(plans) == ["planner", "swapped", "mixed", "all-h20ish", "all-h800ish"]
+
+    def trainers(pj: dict) -> list[int]:
+        counts = [0, 0]
+        for r in pj["ranks"]:
+            counts[r["machine"]] += r["role"] == "train"
+        return counts
+
+    planner = trainers(plans["planner"][0])
+    assert trainers(plans["swapped"][0]) == [2 - k for k in planner]
+    assert trainers(plans["mixed"][0]) == [1, 1]
+    dollars = {name: pj["predicted"]["dollars_per_hour"] for name, (pj, _) in plans.items()}
+    assert len(set(dollars.values())) == 1  # one budget
+    for t in ("h20ish", "h800ish"):
+        pj, sub = plans[f"all-{t}"]
+        assert {r["gpu_type"] for r in pj["ranks"]} == {t} and len(pj["ranks"]) == 4
+        assert sub["gpu_types"][t]["emulate"] == spec["gpu_types"][t]["emulate"]
+    # the planner's plan is the best of the five under the cost model that made it
+    steps = {name: pj["predicted"]["step_s"] for name, (pj, _) in plans.items()}
+    assert min(steps, key=steps.get) == "planner"
+    # re-pricing a plan on its own workload gives back its prediction
+    pj, sub = plans["mixed"]
+    again = hetero_cpu.predict(pj, sub, model, wl, str(ROOT / "exp/profiles/cpu.yaml"), 64.0)
+    assert again.step_s == pytest.approx(pj["predicted"]["step_s"])
