@@ -3,7 +3,7 @@
 # emulated device types (exp/clusters/cpu_hetero.yaml), predicted with this machine's device profile and run side
 # by side, round robin. Prints the table and writes <OUT>/hetero_summary.json.
 #
-#   bash exp/hetero_cpu.sh                                   # -> runs/hetero_cpu-<time>/ (~25 min on 2 cores)
+#   bash exp/hetero_cpu.sh                                   # -> runs/hetero_cpu-<time>/ (~40 min on 2 cores)
 #   OUT=runs/h STEPS=8 REPEATS=1 bash exp/hetero_cpu.sh      # shorter
 #   PROFILE=/tmp/mine.yaml bash exp/hetero_cpu.sh            # another profile of this machine
 #
@@ -17,7 +17,7 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 MODEL="${MODEL:-exp/tiny-model}"
 OUT="${OUT:-runs/hetero_cpu-$(date +%Y%m%d-%H%M%S)}"
 PROFILE="${PROFILE:-exp/profiles/cpu.yaml}"
-STEPS="${STEPS:-14}"
+STEPS="${STEPS:-12}"
 REPEATS="${REPEATS:-2}"
 
 if [[ ! -d "$MODEL" ]]; then
