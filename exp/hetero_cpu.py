@@ -247,8 +247,9 @@ def main(argv: list[str] | None = None) -> int:
 
     entries = []
     for name, (pj, sub) in plans.items():
-        runs = sorted((out / "runs").glob(f"{name}_r*")) if (out / "runs").exists() else []
-        rows = [r for d in runs if (d / "metrics.jsonl").exists() for r in steady(d, args.skip)]
+        runs = sorted(d for d in (out / "runs").glob(f"{name}_r*") if (d / "metrics.jsonl").exists())
+        per_run = [steady(d, args.skip) for d in runs]
+        rows = [r for run_rows in per_run for r in run_rows]
         entry = {"name": name, "is_planner_plan": name == "planner", "split": describe(pj)}
         entry["planned_step_s"] = pj["predicted"]["step_s"]
         if rows:
@@ -261,11 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 "predicted_step_s": ev.step_s,
                 "predicted": {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s},
                 "measured_step_s": statistics.median(r["step_s"] for r in rows),
-                "measured_step_s_per_run": [
-                    statistics.median(r["step_s"] for r in steady(d, args.skip))
-                    for d in runs
-                    if (d / "metrics.jsonl").exists()
-                ],
+                "measured_step_s_per_run": [statistics.median(r["step_s"] for r in rr) for rr in per_run if rr],
                 "measured": {
                     "train_s": statistics.median(r["train_s"] for r in rows),
                     "sync_s": statistics.median(r["weight_sync_s"] for r in rows),
@@ -307,17 +304,12 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def describe(pj: dict) -> str:
-    """Where the roles run: 'train 2 x h800ish (dp2 tp1 pp1) | rollout 2 x h20ish'."""
-    count = lambda role: "+".join(  # noqa: E731
-        f"{n}x{t}"
-        for t, n in sorted(
-            {
-                t: sum(1 for r in pj["ranks"] if r["role"] == role and r["gpu_type"] == t)
-                for t in {r["gpu_type"] for r in pj["ranks"]}
-            }.items()
-        )
-        if n
-    )
+    """Where the roles run: 'train 2xh800ish (dp1 tp2 pp1) | rollout 2xh20ish'."""
+
+    def count(role: str) -> str:
+        types = sorted(r["gpu_type"] for r in pj["ranks"] if r["role"] == role)
+        return "+".join(f"{types.count(t)}x{t}" for t in sorted(set(types)))
+
     t = pj["train"]
     return f"train {count('train')} (dp{t['dp']} tp{t['tp']} pp{t['pp']}) | rollout {count('rollout')}"
 
