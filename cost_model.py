@@ -68,6 +68,9 @@ class Cluster:
     machines: list[Machine]
     inter_gbps: dict[tuple[str, str], float]  # unordered type pair -> GB/s
     machine_gbps: dict[tuple[int, int], float] = field(default_factory=dict)  # machine pair override
+    # CPU clusters only: machine -> how many of its devices are busy at once on average, in the step being priced
+    # (Planner.evaluate's estimate); a machine not in it counts every device busy. See speed.
+    busy_devices: dict[int, float] = field(default_factory=dict)
 
     @property
     def n_gpus(self) -> int:
@@ -84,19 +87,25 @@ class Cluster:
         The core share is min(1, host_cores / demand). A CPU "device" is one process, and a device profile measures
         one process alone on a core; when a machine's busy processes want more cores than it has, the OS time-slices
         them, so each gets host_cores / demand of a core -- of its FLOP/s, of its memory bandwidth and of its host
-        time alike. A plain device wants a whole core; an emulated one at most its largest fraction of one, since
-        it sleeps the rest of every piece of work (emulation.Throttle). It counts every device of the machine as
-        busy: an asynchronous RL step keeps the rollout ranks decoding while the train ranks train. A side that
-        waits part of each step frees its core meanwhile, which this does not credit (the CPU demo's rollout ranks
-        are busy about 72% of a step, so its train ranks get about 0.6 of a core, not 0.5). No core share on a
-        machine without host_cores (GPUs do not share their SMs and HBM with each other)."""
+        time alike. The demand is the number of devices busy at once times what one busy device wants: a plain
+        device a whole core, an emulated one at most its largest fraction of one, since it sleeps the rest of every
+        piece of work (emulation.Throttle). A device that waits (a rollout rank at the staleness bound, a trainer
+        waiting for a batch, every rank of an eta = 0 step while the other side works) frees its core meanwhile, so
+        the devices busy at once are the sum of their busy fractions of the step: busy_devices, which
+        Planner.evaluate estimates from the step it prices (a fixed point), and without it every device counts busy.
+        No core share on a machine without host_cores (GPUs do not share their SMs and HBM with each other)."""
         m = self.machines[machine]
         emulate = self.gpu_types[m.gpu_type].emulate
         fraction = 1.0 if emulate is None else emulate.fraction(kind)
         if m.host_cores is None:
             return fraction
-        demand = m.gpus * (1.0 if emulate is None else emulate.demand)
-        return fraction * min(1.0, m.host_cores / demand)
+        busy = self.busy_devices.get(machine, float(m.gpus))
+        demand = busy * (1.0 if emulate is None else emulate.demand)
+        return fraction * (1.0 if demand <= m.host_cores else m.host_cores / demand)
+
+    def with_busy_devices(self, busy_devices: dict[int, float]) -> Cluster:
+        """The same cluster with each machine's devices busy at once on average as given (Cluster.speed)."""
+        return Cluster(self.name, self.gpu_types, self.machines, self.inter_gbps, self.machine_gbps, dict(busy_devices))
 
     def type_speed(self, type_name: str, kind: str = "compute") -> float:
         """Cluster.speed of a GPU type: its slowest machine's (the planner prices a rollout replica per type; on

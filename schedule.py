@@ -80,6 +80,10 @@ class SolverStats:
     history: list[float] = field(default_factory=list)
 
 
+# Rounds of Planner.evaluate's core-share fixed point (one suffices on one machine; more where machines differ)
+CORE_SHARE_ROUNDS = 4
+
+
 def powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
 
@@ -94,6 +98,8 @@ class Evaluation:
     sync_s: float
     step_s: float
     tokens_per_s: float
+    # machine -> devices busy at once, the core shares were priced with (CPU clusters; empty: every device busy)
+    busy_devices: dict[int, float] = field(default_factory=dict)
 
     @property
     def c_t(self) -> float:
@@ -527,10 +533,62 @@ class Planner:
 
     # ------------------------------------------------------------------ evaluate one partition
     def evaluate(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> Evaluation:
+        """The step of one split (train GPUs per machine). On machines whose devices share host cores (CPU
+        clusters), the core share each device gets depends on how many are busy at once, which depends on the step
+        being priced: the split is priced again with the busy devices of the last pricing (busy_devices) until they
+        settle -- at once on a single machine, where every time scales with the one share and the busy fractions do
+        not change."""
         key = train_counts + ((1,) if exhaustive else ())
         if key in self._eval_cache:
             return self._eval_cache[key]
         self.stats.evaluations += 1
+        ev = self._price(train_counts, exhaustive)
+        shared = any(m.host_cores is not None for m in self.cluster.machines)
+        pricer: Planner = self
+        for _ in range(CORE_SHARE_ROUNDS if shared else 0):
+            if not math.isfinite(ev.step_s):
+                break
+            busy = self.busy_devices(ev)
+            if all(abs(busy[m] - pricer.cluster.busy_devices.get(m, -1.0)) < 1e-3 for m in busy):
+                break
+            pricer = self._priced_on(self.cluster.with_busy_devices(busy))
+            ev = pricer._price(train_counts, exhaustive)
+            ev.busy_devices = busy
+        self._eval_cache[key] = ev
+        return ev
+
+    def busy_devices(self, ev: Evaluation) -> dict[int, float]:
+        """Machine -> its devices busy at once on average in the step `ev` prices: each train GPU busy for its
+        training and the weight sync, each rollout GPU for generation, reward and the sync, as fractions of the
+        step; a GPU in neither role idle."""
+        step = ev.step_s
+        train_busy = min(1.0, (ev.train_s + ev.sync_s) / step)
+        rollout_busy = min(1.0, (ev.rollout_s + self.wl.reward_s + ev.sync_s) / step)
+        busy = {m.index: 0.0 for m in self.cluster.machines}
+        for _, _, ids in ev.train.stages:
+            for i in ids:
+                busy[self.gpu_machine[i]] += train_busy
+        for _, ids in ev.rollout.replicas:
+            for i in ids:
+                busy[self.gpu_machine[i]] += rollout_busy
+        return busy
+
+    def _priced_on(self, cluster: Cluster) -> Planner:
+        """This planner on `cluster` (same model, workload, efficiencies and options), with fresh caches."""
+        pricer = Planner(
+            cluster,
+            self.model,
+            self.wl,
+            self.eff,
+            self.max_seconds,
+            self.forced_layout,
+            self.rollout_tp,
+            self.weight_bucket_mb,
+        )
+        pricer.stats = self.stats  # its MILP solves are this planner's
+        return pricer
+
+    def _price(self, train_counts: tuple[int, ...], exhaustive: bool) -> Evaluation:
         train = self.train_plan(train_counts)
         rollout = self.rollout_plan(train_counts, exhaustive)
         inf = math.inf
@@ -559,7 +617,6 @@ class Planner:
             step,
             self.wl.tokens_per_step / step if math.isfinite(step) else 0.0,
         )
-        self._eval_cache[key] = ev
         return ev
 
     # ------------------------------------------------------------------ Phase 2: graph partition
@@ -1095,6 +1152,8 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "reward_s": p.wl.reward_s,
         "step_s": ev.step_s,
         "tokens_per_s": ev.tokens_per_s,
+        # CPU clusters: machine -> devices busy at once, the core shares were priced with (Cluster.speed)
+        **({"busy_devices": {str(m): b for m, b in ev.busy_devices.items()}} if ev.busy_devices else {}),
         "dollars_per_hour": dollars,
         "tokens_per_dollar": ev.tokens_per_s * 3600 / dollars if dollars > 0 else None,
     }

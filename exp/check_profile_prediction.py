@@ -159,9 +159,22 @@ def main(argv: list[str] | None = None) -> int:
         "rollout_busy_s": (1 - steps[-1]["rollout_idle_frac"]) * mean_step,
         "mean_step_s": mean_step,
     }
-    predicted = {"step_s": ev.step_s, "train_s": ev.train_s, "sync_s": ev.sync_s, "rollout_s": ev.rollout_s}
+    predicted = {
+        "step_s": ev.step_s,
+        "train_s": ev.train_s,
+        "sync_s": ev.sync_s,
+        "rollout_s": ev.rollout_s,
+        "busy_devices": {str(m): b for m, b in ev.busy_devices.items()},
+    }
     error = (predicted["step_s"] - measured["step_s"]) / measured["step_s"]
-    speed = ", ".join(f"machine {m.index}: {cluster.speed(m.index):.3g}" for m in cluster.machines)
+    priced = cluster.with_busy_devices(ev.busy_devices)
+    speed = ", ".join(
+        f"machine {m.index}: {priced.speed(m.index):.3g} ({ev.busy_devices.get(m.index, m.gpus):.2f} of "
+        f"{m.gpus} devices busy at once on {m.host_cores} cores)"
+        if m.host_cores is not None
+        else f"machine {m.index}: {priced.speed(m.index):.3g}"
+        for m in cluster.machines
+    )
     print(f"run {run}: {len(steps)} steps, {len(steady)} steady (first {a.skip} and those after an eval left out)")
     print(
         f"workload: {wl.batch} sequences/step ({wl.prompts_per_step} x {wl.samples_per_prompt}), prompt "

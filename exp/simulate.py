@@ -67,6 +67,9 @@ class Seq:
 def _inputs(plan: dict, workload: cm.Workload | dict | None, eta: int | None):
     inp = plan["inputs"]
     cluster = cm.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
+    busy = plan.get("predicted", {}).get("busy_devices")
+    if busy:  # CPU processes sharing cores: the shares the plan was priced at (Planner.evaluate)
+        cluster = cluster.with_busy_devices({int(m): float(b) for m, b in busy.items()})
     model = cm.model_from_config(inp["model"])
     wl = workload if isinstance(workload, cm.Workload) else cm.Workload(**(workload or inp["workload"]))
     if eta is not None:

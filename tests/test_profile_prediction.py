@@ -149,19 +149,100 @@ def test_speed_stretches_the_weight_sync():
     assert one == pytest.approx(0.004 + total / 2e9 / 0.3)
 
 
-def test_plans_with_and_without_host_cores_differ_only_by_the_shared_cores():
-    """The same split on the same machine (one speed for all devices: the search's order is unchanged); every time
-    of the plan doubles with 4 devices on 2 cores."""
-    model, wl, eff = cm.load_model_spec(TINY), cm.Workload(**DEMO), cm.Efficiency(sync_latency_s=0.01)
-    plain, shared = (sc.plan(cpu_cluster(h), model, wl, eff) for h in (None, 2))
-    assert plain["ranks"] == shared["ranks"] and plain["train"]["stages"] == shared["train"]["stages"]
-    assert [r["ranks"] for r in plain["rollout"]["replicas"]] == [r["ranks"] for r in shared["rollout"]["replicas"]]
+def demo_split(cluster: cm.Cluster, eta: int = 4) -> tuple[sc.Planner, sc.Evaluation]:
+    """The CPU demo's split on `cluster`: dp 2 trainers, two TP-1 rollout replicas."""
+    wl = cm.Workload(**{**DEMO, "eta": eta})
+    p = sc.Planner(cluster, cm.load_model_spec(TINY), wl, cm.Efficiency(sync_latency_s=0.01), forced_layout=(2, 1, 1),
+                   rollout_tp=1)  # fmt: skip
+    return p, p.evaluate((2,) + (0,) * (len(cluster.machines) - 1))
+
+
+def busy_at_once(ev: sc.Evaluation, train_gpus: int, rollout_gpus: int, reward_s: float = 0.0) -> float:
+    """Devices busy at once, by the formula: each side's busy time (its work and the sync) over the step."""
+    step = ev.step_s
+    train = min(1.0, (ev.train_s + ev.sync_s) / step)
+    rollout = min(1.0, (ev.rollout_s + reward_s + ev.sync_s) / step)
+    return train_gpus * train + rollout_gpus * rollout
+
+
+def test_speed_counts_the_busy_devices_given():
+    c = cpu_cluster(2, 4)
+    assert c.with_busy_devices({0: 3.2}).speed(0) == pytest.approx(2 / 3.2)
+    assert c.with_busy_devices({0: 1.5}).speed(0) == 1.0  # fewer busy than cores: a core each
+    assert c.with_busy_devices({0: 0.0}).speed(0) == 1.0
+    assert c.with_busy_devices({0: 3.2}).type_speed("cpu") == pytest.approx(2 / 3.2)
+    assert c.speed(0) == 0.5 and c.busy_devices == {}  # without an estimate every device counts busy
+    assert cpu_cluster(None, 4).with_busy_devices({0: 4.0}).speed(0) == 1.0  # no host_cores: no sharing
+
+
+@pytest.mark.parametrize("eta", [0, 4])
+def test_a_shared_machine_is_priced_at_the_cores_over_the_devices_busy_at_once(eta):
+    """Every time of the split is the unshared one over the core share, host_cores / (devices busy at once); the
+    busy devices are those of the step priced (the fixed point: the DP all-reduce, a link, is not shared out, so
+    the busy fractions move a little with the share). At eta = 0 the two sides take turns, so fewer devices are
+    busy at once than at eta 4."""
+    _, plain = demo_split(cpu_cluster(None), eta)
+    p, shared = demo_split(cpu_cluster(2), eta)
+    busy = shared.busy_devices[0]
+    assert busy == pytest.approx(busy_at_once(shared, 2, 2), rel=1e-3)  # the fixed point
+    assert busy == pytest.approx(busy_at_once(plain, 2, 2), rel=1e-2)
+    share = min(1.0, 2 / busy)
+    assert 0.5 < share < 1.0
     for key in ("rollout_s", "sync_s"):
-        assert shared["predicted"][key] == pytest.approx(2 * plain["predicted"][key], rel=1e-9), key
-    # the train step doubles but for its DP all-reduce (a link: not shared out)
-    assert 1.9 * plain["predicted"]["train_s"] < shared["predicted"]["train_s"] <= 2 * plain["predicted"]["train_s"]
-    p, counts = sc.planner_from_plan(shared)  # the plan's inputs keep host_cores
-    assert p.cluster.speed(0) == 0.5 and p.evaluate(counts).step_s == pytest.approx(shared["predicted"]["step_s"])
+        assert getattr(shared, key) == pytest.approx(getattr(plain, key) / share, rel=1e-9), key
+    # the train step stretches but for its DP all-reduce
+    params = 4 * cm.load_model_spec(TINY).layer_params + cm.load_model_spec(TINY).head_params
+    all_reduce = DEMO["ppo_minibatches"] * (cm.LINK_LATENCY_S + params * 4 / 2e9)
+    assert shared.train_s - all_reduce == pytest.approx((plain.train_s - all_reduce) / share, rel=1e-9)
+    if eta == 0:
+        _, four = demo_split(cpu_cluster(2), 4)
+        assert busy < four.busy_devices[0]
+
+
+def test_the_side_that_bounds_the_step_is_busy_all_of_it():
+    """A rollout slower than training: the rollout ranks are busy the whole step, the trainers for their part."""
+    slow_decode = cm.Efficiency(sync_latency_s=0.01, per_type={"cpu": cm.TypeEfficiency(decode_overhead_s=0.6)})
+    p = sc.Planner(cpu_cluster(2), cm.load_model_spec(TINY), cm.Workload(**DEMO), slow_decode,
+                   forced_layout=(2, 1, 1), rollout_tp=1)  # fmt: skip
+    ev = p.evaluate((2,))
+    assert ev.rollout_s > ev.train_s
+    trainers = 2 * (ev.train_s + ev.sync_s) / ev.step_s
+    assert ev.busy_devices[0] == pytest.approx(2 + trainers, rel=1e-3) and 2 < ev.busy_devices[0] < 4
+
+
+def test_core_shares_settle_on_machines_of_different_loads():
+    """Two CPU machines, one all trainers and one all rollout: each machine's share from its own busy devices,
+    and the evaluation's busy devices are those of the step it prices (the fixed point, within the rounds)."""
+    cpu = {"hbm_gb": 2, "tflops": 0.02, "hbm_tbps": 0.005, "dollars_per_hour": 0.05, "intra_gbps": 2.0}
+    doc = {
+        "name": "two",
+        "gpu_types": {"cpu": cpu},
+        "machines": [{"gpu_type": "cpu", "gpus": 2, "host_cores": 1}, {"gpu_type": "cpu", "gpus": 2, "host_cores": 1}],
+        "links": {"inter_gbps": {"cpu-cpu": 1.0}},
+    }
+    cluster = cm.cluster_from_dict(doc, "two.yaml")
+    p = sc.Planner(cluster, cm.load_model_spec(TINY), cm.Workload(**DEMO), cm.Efficiency(sync_latency_s=0.01),
+                   forced_layout=(2, 1, 1), rollout_tp=1)  # fmt: skip
+    ev = p.evaluate((2, 0))
+    assert set(ev.busy_devices) == {0, 1}
+    settled = p.busy_devices(ev)
+    for m in (0, 1):
+        assert settled[m] == pytest.approx(ev.busy_devices[m], rel=1e-2), m
+    step = ev.step_s
+    assert ev.busy_devices[0] == pytest.approx(2 * min(1, (ev.train_s + ev.sync_s) / step), rel=1e-2)
+    assert ev.busy_devices[1] == pytest.approx(2 * min(1, (ev.rollout_s + ev.sync_s) / step), rel=1e-2)
+    priced = cluster.with_busy_devices(ev.busy_devices)
+    assert priced.speed(0) == pytest.approx(min(1.0, 1 / ev.busy_devices[0]))
+
+
+def test_plans_keep_their_core_shares_through_the_plan_json():
+    model, wl, eff = cm.load_model_spec(TINY), cm.Workload(**DEMO), cm.Efficiency(sync_latency_s=0.01)
+    shared = sc.plan(cpu_cluster(2), model, wl, eff)
+    busy = float(shared["predicted"]["busy_devices"]["0"])
+    assert 2 < busy < 4
+    assert "busy_devices" not in sc.plan(cpu_cluster(None), model, wl, eff)["predicted"]
+    p, counts = sc.planner_from_plan(shared)  # the plan's inputs keep host_cores, not the estimate
+    assert p.cluster.busy_devices == {} and p.evaluate(counts).step_s == pytest.approx(shared["predicted"]["step_s"])
 
 
 # ----------------------------------------------------------------------------- train overhead, decode rate
@@ -303,20 +384,29 @@ def demo_eval(tmp_path: Path, name: str, host_cores=2, **changes) -> sc.Evaluati
 
 
 def test_each_new_key_moves_the_prediction(tmp_path):
-    base = demo_eval(tmp_path, "base")
-    more_overhead = demo_eval(tmp_path, "overhead", train_overhead_s=0.13)
-    assert more_overhead.train_s - base.train_s == pytest.approx(0.1 / 0.5 * DEMO["ppo_minibatches"])
-    slow_decode = demo_eval(tmp_path, "decode", mfu_decode=0.05)
+    """Each key by its formula on devices with a core each (no sharing: host_cores 4 for 4 devices); sharing 2
+    cores then stretches every time by the share the busy devices give."""
+    base = demo_eval(tmp_path, "base", host_cores=4)
+    more_overhead = demo_eval(tmp_path, "overhead", host_cores=4, train_overhead_s=0.13)
+    assert more_overhead.train_s - base.train_s == pytest.approx(0.1 * DEMO["ppo_minibatches"])
+    slow_decode = demo_eval(tmp_path, "decode", host_cores=4, mfu_decode=0.05)
     assert slow_decode.rollout_s > base.rollout_s and slow_decode.train_s == base.train_s
-    slow_link = demo_eval(tmp_path, "link", link_gbps=0.05)
+    slow_link = demo_eval(tmp_path, "link", host_cores=4, link_gbps=0.05)
     assert slow_link.sync_s > 5 * base.sync_s and slow_link.train_s == base.train_s
-    late = demo_eval(tmp_path, "latency", sync_latency_s=0.5)
-    assert late.sync_s - base.sync_s == pytest.approx((0.5 - 0.002) / 0.5)
-    cores = demo_eval(tmp_path, "cores", host_cores=4)  # a core each: twice the 2-core speed
-    assert cores.rollout_s == pytest.approx(base.rollout_s / 2) and cores.sync_s == pytest.approx(base.sync_s / 2)
+    late = demo_eval(tmp_path, "latency", host_cores=4, sync_latency_s=0.5)
+    assert late.sync_s - base.sync_s == pytest.approx(0.5 - 0.002)
+    plain = demo_eval(tmp_path, "plain", host_cores=None)
+    for key in ("rollout_s", "sync_s", "train_s", "step_s"):
+        assert getattr(base, key) == pytest.approx(getattr(plain, key), rel=1e-12), key  # 4 cores: a core each
+    shared = demo_eval(tmp_path, "shared", host_cores=2)
+    share = min(1.0, 2 / shared.busy_devices[0])
+    assert shared.busy_devices[0] == pytest.approx(busy_at_once(shared, 2, 2), rel=1e-3)
+    assert shared.rollout_s == pytest.approx(plain.rollout_s / share) and shared.sync_s == pytest.approx(
+        plain.sync_s / share
+    )
     params = 4 * cm.load_model_spec(TINY).layer_params + cm.load_model_spec(TINY).head_params
     all_reduce = DEMO["ppo_minibatches"] * (cm.LINK_LATENCY_S + params * 4 / 2e9)  # dp 2 over gloo: not shared
-    assert cores.train_s - all_reduce == pytest.approx((base.train_s - all_reduce) / 2)
+    assert shared.train_s - all_reduce == pytest.approx((plain.train_s - all_reduce) / share)
 
 
 @pytest.mark.parametrize(

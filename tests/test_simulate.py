@@ -112,3 +112,19 @@ def test_simulator_runs_the_buffers_rule(plan, eta):
     }
     assert worst["deadline"] <= eta and worst["admission"] <= eta
     assert worst["completion"] > eta
+
+
+def test_a_cpu_plans_replicas_run_at_the_core_share_it_was_priced_at():
+    """CPU processes sharing cores: the simulator's replicas decode at the plan's own round times (the core share
+    of the devices busy at once that Planner.evaluate priced), not at every device busy."""
+    cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4)
+    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29.0, gen_samples=[25.5], eta=4,
+                     precision="fp32", max_batch=64)  # fmt: skip
+    pj = sc.plan(cluster, cm.load_model_spec(ROOT / "exp/tiny-model"), wl, cm.Efficiency())
+    busy = float(pj["predicted"]["busy_devices"]["0"])
+    assert busy < 4  # some ranks wait part of the step, so the share is above 2 / 4
+    c, model, w, eff = sim._inputs(pj, None, None)
+    assert c.speed(0) == pytest.approx(min(1.0, 2 / busy)) and c.speed(0) > 0.5
+    replicas = sim.build_replicas(pj, c, model, w, eff)
+    for rep, planned in zip(replicas, pj["rollout"]["replicas"]):
+        assert rep.round_s[rep.batch] == pytest.approx(planned["round_s"], rel=1e-9)
