@@ -37,7 +37,8 @@ def _median(xs: list[float]) -> float:
 # decode models are random Llamas (hidden, intermediate, layers, heads, kv heads, vocab) around the sizes a run on
 # that device trains: the CPU demo's tiny model and two larger ones (which still fit this box's last-level cache:
 # the bandwidth a CPU rank sees is the cache's when its model fits there, so the profile measures that regime).
-#   decode          (batch, context) points on every model, memory-bound on one core: the bandwidth + overhead line
+#   decode          (batch, context) points on every model, memory-bound: the bandwidth + overhead line (on a CPU
+#                   core one row per step; on a GPU up to 64 rows still read the weights once)
 #   decode_compute  (batch, context) points on the first `compute_models` models, compute-bound by the raw rates
 #                   (a full rollout batch at a short context): the decode compute rate, mfu_decode
 #   train_model     the model the Trainer steps run on. On CPU that is the tiny one, the size CPU runs train: a
@@ -46,12 +47,18 @@ def _median(xs: list[float]) -> float:
 #                   and small GEMMs and elementwise ops run the tiny model's FLOPs at a lower rate than a larger one's
 #   train           (trajectories, prompt, response): every point one micro-batch per PPO minibatch, 2 minibatches
 #   link            bucket sizes of a weight-sync hop between two processes (CPU: gloo on this host)
+NULL_MODEL = (64, 128, 4, 2, 1, 64)  # (hidden, intermediate, layers, heads, kv heads, vocab): next to no bytes
 PROFILE_SHAPES = {
     "cpu": {
         "gemm": [(1024, 256, 680), (1024, 512, 1024), (1024, 1024, 1024)],
         "copy_bytes": 256 * 2**20,
-        "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096), (768, 2048, 8, 12, 4, 8192)],
-        "decode": [(1, 64), (2, 64), (1, 192), (4, 192)],  # (batch, context): memory-bound on one core
+        # the last: 4 layers of hidden 64 (0.3 MB), whose step is nearly all the per-step host work (dispatch,
+        # sampling): it pins the line's intercept, which the larger models alone leave to noise
+        "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096), (768, 2048, 8, 12, 4, 8192), NULL_MODEL],
+        # (batch, context): one row per step, the weight-read-bound step. On a core a step of 2-4 rows costs up to
+        # twice a 1-row one (each row another pass over the weights in the small-row matmuls), which the bytes +
+        # overhead line cannot hold: such points pulled its intercept below 0 in one profile of three
+        "decode": [(1, 64), (1, 192), (1, 320)],
         "decode_compute": [(64, 16), (64, 32)],  # the CPU demo's max_batch_size at short contexts
         "compute_models": 2,
         "decode_steps": 16,
@@ -65,9 +72,9 @@ PROFILE_SHAPES = {
         "smoke": {
             "gemm": [(1024, 256, 680), (1024, 512, 1024)],
             "copy_bytes": 64 * 2**20,
-            "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096)],  # 12 and 86 MB: the decode line
+            "models": [(256, 680, 4, 8, 4, 388), (512, 1376, 6, 8, 4, 4096), NULL_MODEL],  # 12, 86, 0.3 MB
             "work_model": 0,  # prefill and train on the tiny one
-            "decode": [(1, 32), (2, 32), (1, 96)],
+            "decode": [(1, 32), (1, 96)],
             "compute_models": 1,
             "prefill": [(1, 32), (4, 32), (4, 64)],
             "train": [(4, 16, 16), (8, 16, 32)],

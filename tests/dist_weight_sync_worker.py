@@ -1,4 +1,4 @@
-"""torchrun worker: train ranks of a dp x tp x pp layout stream two weight versions (parallel/weight_sync.py) to TP-1
+"""torchrun worker: train ranks of a dp x tp x pp layout stream weight versions (parallel/weight_sync.py) to TP-1
 rollout replicas spread over "machines"; every replica applies them with Generator.update_weights and checks its
 parameters bitwise against the trainer's own gathered state dict; the train head checks the bytes it sent
 against the planner's number (cost_model, from the model's config alone).
@@ -7,7 +7,8 @@ against the planner's number (cost_model, from the model's config alone).
 MACHINES: the machine of each rollout replica, e.g. 0,0,1. With HEXRL_MEASURE_MEMORY=1 each rank also prints the
 peak resident memory its sync added (VmHWM reset through /proc/self/clear_refs), in bytes. Each rank writes its
 report to OUT/report_<rank>.json. HEXRL_TEST_HANDOVER=shared hands the buckets to the relays in shared memory
-(dist.handover=shared); a replica then reports how many owners' slots it mapped per version.
+(dist.handover=shared); a replica then reports how many owners' slots it mapped per version. HEXRL_SYNC_VERSIONS
+(default 2): how many versions are synced.
 """
 
 import json
@@ -49,6 +50,7 @@ def main():
     dtype = getattr(torch, dtype_name)
     measure = os.environ.get("HEXRL_MEASURE_MEMORY") == "1"
     handover = os.environ.get("HEXRL_TEST_HANDOVER", "wire")
+    versions = range(1, int(os.environ.get("HEXRL_SYNC_VERSIONS", "2")) + 1)  # weight versions synced, from 1
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
@@ -67,7 +69,7 @@ def main():
         trainer = Trainer(model, groups, TrainConfig(), "cpu")
         channel = Channel(leaders) if groups.is_train_head else None
         itemsize = torch.empty((), dtype=dtype).element_size()
-        for version in (1, 2):
+        for version in versions:
             for p in trainer.params.values():  # "training": elementwise, so every TP shard moves alike
                 p.data.mul_(1 + 0.01 * version).add_(0.001 * version)
             full = trainer.gather_full_state_dict()  # the reference: the trainer's own gather, independent code
@@ -124,7 +126,7 @@ def main():
             return open_slots(descriptor, device)
 
         weight_sync.open_slots = counting_open_slots
-        for _ in (1, 2):
+        for _ in versions:
             ((_, msg),) = channel.poll(timeout_s=120)
             before = reset_peak() if measure else 0
             opened.clear()

@@ -118,16 +118,19 @@ def test_a_stream_keeps_at_most_two_buffers_alive(monkeypatch):
 def test_a_sync_adds_at_most_two_buckets_on_the_sender_and_the_receivers(tmp_path):
     """Measured, not assumed: peak resident memory (VmHWM, reset before the sync) that a sync of a 5 MB model in
     0.2 MB buckets adds on the train owner, the relay and its machine-mates. Large allocations go straight to mmap
-    (MALLOC_MMAP_THRESHOLD_), so resident memory follows live tensors. The second version is measured: the first
-    also pays one-time costs (allocator arenas, first-touch of the receive path)."""
+    (MALLOC_MMAP_THRESHOLD_), so resident memory follows live tensors. The steady state is measured: the first
+    version also pays one-time costs (allocator arenas, first-touch of the receive path), and so, now and then, does
+    one later sync on one rank (tens of KB of pages first touched there: seen once in CI on the relay's second
+    version, 70 KB over); so versions 2 and 3 are synced and each rank's smaller peak is held to the bound. A sync
+    that keeps a third bucket alive exceeds it in every version."""
     from tiny import build_tiny_model, run_sync_worker
 
     model = build_tiny_model(tmp_path / "model", hidden=128, layers=8)
-    env = {"HEXRL_MEASURE_MEMORY": "1", "MALLOC_MMAP_THRESHOLD_": "65536"}
+    env = {"HEXRL_MEASURE_MEMORY": "1", "MALLOC_MMAP_THRESHOLD_": "65536", "HEXRL_SYNC_VERSIONS": "3"}
     reports = run_sync_worker(model, (1, 1, 1), 0.2, "0,0,0", "float32", tmp_path, env)
     head = reports[0]
     bucket = head["max_wire"]
     assert head["predicted"] >= 20 * bucket, head  # the model is >= 20 buckets
     assert all(r["ok"] for r in reports.values()), reports
     for rank, r in reports.items():
-        assert r["peak_extra_v2"] <= 2 * bucket + 128 * 1024, (rank, r, bucket)
+        assert min(r["peak_extra_v2"], r["peak_extra_v3"]) <= 2 * bucket + 128 * 1024, (rank, r, bucket)
