@@ -101,8 +101,9 @@ def workload(cfg: dict, rows: list[dict], prompt_len: float) -> cm.Workload:
 
 def predict(
     cluster_path: str, profiles: list[str], cfg: dict, plan: dict, layout: list[dict], wl: cm.Workload
-) -> tuple[sc.Evaluation, cm.Cluster]:
-    """The cost model's evaluation of the run's own split (its train layout and rollout replicas), and the cluster."""
+) -> tuple[sc.Evaluation, sc.Planner]:
+    """The cost model's evaluation of the run's own split (its train layout and rollout replicas), and the planner
+    that priced it (its cluster: the YAML resized to the run, the profile applied)."""
     cluster = cm.load_cluster(cluster_path, plan["world_size"] if plan["world_size"] >= 2 else None)
     eff = cm.Efficiency()
     for path in profiles:
@@ -129,7 +130,7 @@ def predict(
     ev = p.evaluate(tuple(counts))
     if not ev.train or not ev.rollout:
         raise SystemExit(f"error: the cost model finds no plan for the run's split {counts} on {cluster.name}")
-    return ev, cluster
+    return ev, p
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -149,7 +150,8 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"error: {run} has no steady-state steps after skipping {a.skip}")
     prompt_len = a.prompt_len if a.prompt_len is not None else mean_prompt_tokens(cfg)
     wl = workload(cfg, rows, prompt_len)
-    ev, cluster = predict(a.cluster, a.profile, cfg, plan, layout, wl)
+    ev, planner = predict(a.cluster, a.profile, cfg, plan, layout, wl)
+    cluster = planner.cluster
     steps = [r for r in rows if "step_s" in r]
     mean_step = steps[-1]["elapsed_s"] / len(steps)
     measured = {

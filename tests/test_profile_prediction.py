@@ -458,7 +458,8 @@ def fake_run(tmp_path: Path, step_s: float) -> Path:
         s = step_s * (3 if step in (1, 11) else 1)
         elapsed += s
         rows.append({"step": step, "step_s": s, "train_s": 0.9 * s, "weight_sync_s": 0.02, "response_len_mean": 25.5,
-                     "weight_sync_dtype": "float32", "elapsed_s": elapsed, "rollout_idle_frac": 0.3})  # fmt: skip
+                     "weight_sync_dtype": "float32", "elapsed_s": elapsed, "rollout_idle_frac": 0.3,
+                     "trained_tokens": 128 * 25.5, "staleness_mean": 1.5, "loss": 0.0})  # fmt: skip
         if step == 10:
             rows.append({"step": 10, "eval_accuracy": 0.6})
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -480,8 +481,9 @@ def test_check_script_compares_the_steady_steps_with_the_prediction(tmp_path, ca
     assert (wl.train_passes, wl.batch, wl.eta, wl.precision, wl.gen_mean) == (3.0, 128, 4, "fp32", 25.5)
     assert chk.train_passes({"ppo_minibatches": 4}) == 4.0 and chk.train_passes({"ppo_minibatches": 1}) == 3.0
     assert chk.train_passes({"ppo_minibatches": 4, "recompute_prox_logprobs": False, "kl_coef": 0.1}) == 4.0
-    ev, cluster = chk.predict(str(ROOT / "exp/clusters/cpu.yaml"), [str(prof)], cfg, plan, layout, wl)
-    assert (ev.train.dp, ev.train.tp, ev.train.pp, len(ev.rollout.replicas)) == (2, 1, 1, 2) and cluster.speed(0) == 0.5
+    ev, planner = chk.predict(str(ROOT / "exp/clusters/cpu.yaml"), [str(prof)], cfg, plan, layout, wl)
+    assert (ev.train.dp, ev.train.tp, ev.train.pp, len(ev.rollout.replicas)) == (2, 1, 1, 2)
+    assert planner.cluster.speed(0) == 0.5 and 0.5 < planner.cluster.with_busy_devices(ev.busy_devices).speed(0) < 1
     close = fake_run(tmp_path / "a", ev.step_s * 1.1)
     far = fake_run(tmp_path / "b", ev.step_s * 1.5)
     args = ["--profile", str(prof), "--prompt-len", "29", "--json", str(tmp_path / "c.json")]
@@ -490,3 +492,22 @@ def test_check_script_compares_the_steady_steps_with_the_prediction(tmp_path, ca
     got = json.loads((tmp_path / "c.json").read_text())
     assert got["measured"]["step_s"] == pytest.approx(ev.step_s * 1.1) and math.isclose(got["error"], 1 / 1.1 - 1)
     assert chk.main([str(far), *args]) == 1
+
+
+def test_the_simulator_predicts_a_run_from_the_profile_alone(tmp_path):
+    """exp/validate_simulator.py --profile: nothing timed in the run reaches the prediction (two runs of the same
+    job at different speeds get the same one); the measured side is the steady steps (the one after an
+    evaluation left out), and the error is their ratio."""
+    import validate_simulator as vs
+
+    prof = str(write(tmp_path, profile_doc(train_overhead_s=0.03), "p.yaml"))
+    cluster = str(ROOT / "exp/clusters/cpu.yaml")
+    slow, fast = fake_run(tmp_path / "slow", 2.0), fake_run(tmp_path / "fast", 1.0)
+    a, b = (vs.predict_run(r, [prof], cluster, warmup=2) for r in (slow, fast))
+    assert a["predicted_step_s"] == b["predicted_step_s"] and a["predicted_tokens_per_s"] == b["predicted_tokens_per_s"]
+    assert a["measured_step_s"] == pytest.approx(2.0) and b["measured_step_s"] == pytest.approx(1.0)  # step 11 out
+    assert b["measured_tokens_per_s"] == pytest.approx(128 * 25.5)
+    assert b["step_err"] == pytest.approx(b["predicted_step_s"] - 1.0)
+    assert b["fitted_on"] == [prof] and b["layout"] == "dp2 tp1 pp1 + 2 rollout" and b["eta"] == 4
+    assert vs.main([str(fast), "--profile", prof, "--out", str(tmp_path / "v.json")]) == 0
+    assert json.loads((tmp_path / "v.json").read_text())[0]["predicted_step_s"] == b["predicted_step_s"]
