@@ -431,6 +431,10 @@ PRECISION_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 # ----------------------------------------------------------------------------- efficiency
 
 
+# a decode step's memory and compute times -> its time (TypeEfficiency.decode_combine)
+DECODE_COMBINES = {"max": max, "sum": lambda memory_s, compute_s: memory_s + compute_s}
+
+
 @dataclass
 class TypeEfficiency:
     mfu_train: float = 0.35  # achieved / peak FLOP/s in training
@@ -443,6 +447,15 @@ class TypeEfficiency:
     # achieved / peak FLOP/s of a decode step's compute (batch rows through every layer: small-row GEMMs, sampling);
     # None: mfu_infer, as for prefill (a device profile fits it from its compute-bound decode steps)
     mfu_decode: float | None = None
+    # how a decode step's weight/KV reads and its arithmetic combine: "max" -- they overlap, the step is the slower
+    # of the two (a GPU: its many warps overlap loads with tensor-core math); "sum" -- they serialise (a CPU core streams the
+    # weights and runs the small-row matmuls in one instruction stream). A device profile picks the one its own
+    # decode steps fit better (finish_profile)
+    decode_combine: str = "max"
+
+    def __post_init__(self) -> None:
+        if self.decode_combine not in DECODE_COMBINES:
+            raise SpecError(f"decode_combine must be one of {list(DECODE_COMBINES)}, got {self.decode_combine!r}")
 
     @property
     def decode_mfu(self) -> float:
@@ -511,7 +524,8 @@ def decode_round_s(
       sequences for its layers: batch * context * kv_layer * l_k bytes          -> / (hbm_tbps * hbm_eff)
     and computes batch * l_k * layer_flops(context) / tp (+ the LM head on the last stage)
                                                                               -> / (tflops * mfu_infer)
-    taking the max of the two (a roofline; HexGen adds them). TP adds 2 all-reduces of batch*H per layer
+    taking the max of the two (a roofline; HexGen adds them), or their sum where the type's `decode_combine` is
+    "sum" (a CPU core, whose profile fits that better). TP adds 2 all-reduces of batch*H per layer
     over NVLink; PP adds batch*H bytes per stage boundary. The step time is the slowest stage, plus the type's
     fixed per-step overhead `decode_overhead_s` (0 unless a device profile sets it: `schedule.py profile` fits
     step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps). The compute roof is
@@ -521,6 +535,7 @@ def decode_round_s(
     """
     hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff * speed
     flops = gpu.tflops * 1e12 * eff.decode_mfu * speed
+    combine = DECODE_COMBINES[eff.decode_combine]
     kv_layer = model.kv_bytes_per_token_layer(nbytes, tp)
     stage_layers = layer_counts(model.layers, pp)
     tp_comm = 0.0
@@ -533,7 +548,8 @@ def decode_round_s(
         weight_bytes = (lk * model.layer_params + head) * nbytes / tp
         mem_bytes = pp * weight_bytes + batch * context * kv_layer * lk
         compute = batch * (lk * model.layer_flops_per_token(context) + 2 * head) / tp
-        worst = max(worst, max(mem_bytes / hbm, compute / flops) + lk * tp_comm)
+        roof = combine(mem_bytes / hbm, compute / flops)
+        worst = max(worst, roof + lk * tp_comm)
     return worst + pp_comm + eff.decode_overhead_s / speed
 
 
@@ -1041,6 +1057,30 @@ def fit_rate_given_overhead(work: list[float], seconds: list[float], overhead: f
     return sum(w * w for w in work) / num
 
 
+def fit_relative(rows: list[list[float]], ys: list[float]) -> list[float]:
+    """x minimising sum(((row . x) - y) / y)^2 -- least squares on relative errors, so that points of a few ms and
+    of a hundred weigh alike -- by the normal equations. Raises ValueError where the columns are linearly dependent."""
+    n = len(rows[0])
+    scaled = [[v / y for v in row] for row, y in zip(rows, ys)]
+    norm = [max(abs(r[j]) for r in scaled) or 1.0 for j in range(n)]  # columns of bytes, FLOPs and 1 alike in size
+    scaled = [[v / c for v, c in zip(r, norm)] for r in scaled]
+    a = [[sum(r[i] * r[j] for r in scaled) for j in range(n)] + [sum(r[i] for r in scaled)] for i in range(n)]
+    for col in range(n):  # Gaussian elimination with partial pivoting
+        pivot = max(range(col, n), key=lambda k: abs(a[k][col]))
+        if abs(a[pivot][col]) <= 1e-9 * len(rows):
+            raise ValueError("fit_relative: the columns are linearly dependent")
+        a[col], a[pivot] = a[pivot], a[col]
+        for k in range(n):
+            if k != col:
+                f = a[k][col] / a[col][col]
+                a[k] = [u - f * v for u, v in zip(a[k], a[col])]
+    return [a[i][n] / a[i][i] / norm[i] for i in range(n)]
+
+
+def relative_rms(predicted: list[float], measured: list[float]) -> float:
+    return math.sqrt(sum(((p - m) / m) ** 2 for p, m in zip(predicted, measured)) / len(measured))
+
+
 def _profile_number(d: dict, key: str, where: str, source: str) -> float:
     try:
         value = float(d[key])
@@ -1091,7 +1131,10 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
         _check_overhead(
             values["train_overhead_s"], "train_overhead_s", "efficiency", source, "a fixed cost per optimizer step"
         )
-    return TypeEfficiency(**values)
+    combine = eff.get("decode_combine", "max")
+    if combine not in DECODE_COMBINES:
+        raise SpecError(f"{source}: efficiency.decode_combine must be one of {list(DECODE_COMBINES)}, got {combine!r}")
+    return TypeEfficiency(**values, decode_combine=combine)
 
 
 def check_profile_sync(sync, source: str) -> tuple[float, float]:
@@ -1182,6 +1225,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
             decode_overhead_s=te.decode_overhead_s,
             train_overhead_s=te.train_overhead_s,
             mfu_decode=None if te.mfu_decode is None else te.mfu_decode * flops,
+            decode_combine=te.decode_combine,
         )
     if prof.link_gbps is not None:
         out.link_eff = prof.link_gbps / cluster.gpu_types[targets[0]].intra_gbps
@@ -1195,7 +1239,10 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     them (check_profile_efficiency, check_profile_sync).
       decode    the points memory-bound by the raw GEMM / copy rates: step = bytes / bandwidth + overhead (hbm_eff,
                 decode_overhead_s); the points compute-bound by those rates: step = FLOPs / rate + that overhead
-                (mfu_decode; absent without two such points)
+                (mfu_decode; absent without two such points). With those, also step = bytes / bandwidth +
+                FLOPs / rate + overhead over every point (relative least squares): where that fits the points better
+                -- reads and arithmetic serialised, as on a CPU core -- its constants and decode_combine "sum" are
+                the profile's
       prefill   step = FLOPs / rate + c (mfu_infer)
       train     step = FLOPs / rate + c (mfu_train). A point is one Trainer.train_step of `optimizer_steps` optimizer
                 steps (its PPO minibatches), so c / optimizer_steps is what one optimizer step costs besides the FLOPs;
@@ -1218,6 +1265,22 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         decode_rate = fit_rate_given_overhead(
             [p["flops"] for p in compute], [p["step_s"] for p in compute], overhead, "decode (compute-bound steps)"
         )
+    # the two ways a decode step's reads and arithmetic combine (TypeEfficiency.decode_combine), each fitted to every
+    # decode point, the points spanning one row to a full batch: the one with the smaller relative error is the device's
+    combine, steps = "max", [p["step_s"] for p in out["decode"]]
+    rms = {}
+    if decode_rate is not None:
+        rms["max"] = relative_rms(
+            [overhead + max(p["bytes"] / bw, p["flops"] / decode_rate) for p in out["decode"]], steps
+        )
+        try:
+            per_byte, per_flop, c = fit_relative([[p["bytes"], p["flops"], 1.0] for p in out["decode"]], steps)
+        except ValueError:
+            per_byte = per_flop = c = -1.0
+        if per_byte > 0 and per_flop > 0 and c >= 0:
+            rms["sum"] = relative_rms([c + p["bytes"] * per_byte + p["flops"] * per_flop for p in out["decode"]], steps)
+            if rms["sum"] < rms["max"]:
+                combine, bw, overhead, decode_rate = "sum", 1.0 / per_byte, c, 1.0 / per_flop
     prefill_rate, prefill_c, r2_prefill = fit_rate(
         [p["flops"] for p in out["prefill"]], [p["step_s"] for p in out["prefill"]], "prefill"
     )
@@ -1240,9 +1303,11 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "copy_tbps": out["copy_tbps"],
         "decode_tbps": bw / 1e12,
         "decode_overhead_s": overhead,
-        "decode_fit_points": len(use),
+        "decode_fit_points": len(out["decode"]) if combine == "sum" else len(use),
         "decode_r2": r2_decode,
         **({} if decode_rate is None else {"decode_tflops": decode_rate / 1e12, "decode_compute_points": len(compute)}),
+        "decode_combine": combine,
+        **{f"decode_rel_rms_{k}": v for k, v in rms.items()},
         "prefill_tflops": prefill_rate / 1e12,
         "prefill_overhead_s": prefill_c,
         "prefill_r2": r2_prefill,
@@ -1261,6 +1326,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "decode_overhead_s": overhead,
         "train_overhead_s": train_overhead,
         **({} if decode_rate is None else {"mfu_decode": decode_rate / peak}),
+        **({} if combine == "max" else {"decode_combine": combine}),
     }
     link = out.get("link")
     if link:
@@ -1273,12 +1339,23 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         out["sync"] = {"link_gbps": link_rate / 1e9, "sync_latency_s": link["latency_s"]}
     out["seconds"] = elapsed
     m, e = out["measured"], out["efficiency"]
-    log(
-        f"decode:  {m['decode_tbps'] * 1e3:9.2f} GB/s + {m['decode_overhead_s'] * 1e3:.3f} ms/step "
-        f"(least squares over {len(use)} memory-bound points, r2 {r2_decode:.3f})"
-    )
-    if decode_rate is not None:
-        log(f"decode:  {decode_rate / 1e9:9.2f} GFLOP/s on {len(compute)} compute-bound points (+ the same overhead)")
+    fits = ", ".join(f"{k} {v:.1%}" for k, v in rms.items())
+    if combine == "sum":
+        log(
+            f"decode:  bytes / {m['decode_tbps'] * 1e3:.2f} GB/s + FLOPs / {decode_rate / 1e9:.2f} GFLOP/s + "
+            f"{m['decode_overhead_s'] * 1e3:.3f} ms/step (reads and arithmetic serialised: least squares over all "
+            f"{len(out['decode'])} points; relative rms {fits})"
+        )
+    else:
+        log(
+            f"decode:  {m['decode_tbps'] * 1e3:9.2f} GB/s + {m['decode_overhead_s'] * 1e3:.3f} ms/step "
+            f"(least squares over {len(use)} memory-bound points, r2 {r2_decode:.3f})"
+        )
+        if decode_rate is not None:
+            log(
+                f"decode:  {decode_rate / 1e9:9.2f} GFLOP/s on {len(compute)} compute-bound points (+ the same "
+                f"overhead; relative rms {fits})"
+            )
     log(f"prefill: {m['prefill_tflops'] * 1e3:9.2f} GFLOP/s + {prefill_c * 1e3:.2f} ms (r2 {r2_prefill:.3f})")
     log(
         f"train:   {m['train_tflops'] * 1e3:9.2f} GFLOP/s + {train_c * 1e3:.2f} ms/step of {opt_steps} optimizer "

@@ -39,8 +39,9 @@ def _median(xs: list[float]) -> float:
 # the bandwidth a CPU rank sees is the cache's when its model fits there, so the profile measures that regime).
 #   decode          (batch, context) points on every model, memory-bound: the bandwidth + overhead line (on a CPU
 #                   core one row per step; on a GPU up to 64 rows still read the weights once)
-#   decode_compute  (batch, context) points on the first `compute_models` models, compute-bound by the raw rates
-#                   (a full rollout batch at a short context): the decode compute rate, mfu_decode
+#   decode_compute  (batch, context) points past one row on the first `compute_models` models: a full rollout batch
+#                   at a short context (compute-bound by the raw rates: the decode compute rate, mfu_decode) and a
+#                   few rows, between the two roofs, where a max and a sum of them differ most (decode_combine)
 #   train_model     the model the Trainer steps run on. On CPU that is the tiny one, the size CPU runs train: a
 #                   train step's fixed part is mostly per-parameter work (AdamW, the fp64 gradient norm, fresh
 #                   gradients), so the intercept of a 7x larger model's steps is no per-step constant for the demo's,
@@ -59,7 +60,9 @@ PROFILE_SHAPES = {
         # twice a 1-row one (each row another pass over the weights in the small-row matmuls), which the bytes +
         # overhead line cannot hold: such points pulled its intercept below 0 in one profile of three
         "decode": [(1, 64), (1, 192), (1, 320)],
-        "decode_compute": [(64, 16), (64, 32)],  # the CPU demo's max_batch_size at short contexts
+        # a few rows (a small replica batch, exp/hetero_cpu.py's 8) and the CPU demo's max_batch_size at short
+        # contexts: they tell the decode roof's two forms apart (cost_model.finish_profile)
+        "decode_compute": [(8, 64), (64, 16), (64, 32)],
         "compute_models": 2,
         "decode_steps": 16,
         "prefill": [(1, 64), (4, 64), (4, 128), (8, 128)],
@@ -117,7 +120,8 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
                 squares to step = bytes / bandwidth + overhead, bytes = cm.decode_bytes_per_step (weights + the KV read)
       prefill   Generator prefill of fresh prompts: step = FLOPs / rate + overhead
       decode_compute  Generator steps of a full batch at a short context (CPU): compute-bound by the raw rates;
-                step = FLOPs / rate + the decode overhead (mfu_decode)
+                step = FLOPs / rate + the decode overhead (mfu_decode); and of a few rows: with them the fit also
+                tries step = bytes / bandwidth + FLOPs / rate + overhead and keeps the form that fits better
       train     parallel.trainer.Trainer.train_step on one gloo rank (2 PPO minibatches, so the proximal log-prob
                 recompute runs: 4 passes, as cost_model counts them): step = FLOPs / rate + overhead, the overhead
                 per optimizer step (less the cost model's own optimizer term) being train_overhead_s

@@ -334,6 +334,44 @@ def test_finish_profile_fits_the_new_constants_from_synthetic_points():
     cm.profile_from_dict({**out, "gpu_type": "cpu"}, "p")  # what the planner reads back
 
 
+def test_finish_profile_keeps_the_decode_form_the_points_fit():
+    """Points made by a serialised step (bytes / bw + FLOPs / rate + c), one row to a full batch: the fit picks
+    decode_combine "sum" and recovers its constants; the max-made points above keep "max" (no key written)."""
+    bw, rate, c = 4e9, 3e10, 0.002
+    pts = synthetic_points()
+    shapes = [(1.2e7, 1e6), (8e7, 7e6), (1.3e7, 8e6), (1.3e7, 1e8), (2e7, 4e8), (8.5e7, 1.6e9)]
+    pts["decode"] = [{"bytes": b, "flops": f, "step_s": b / bw + f / rate + c} for b, f in shapes]
+    gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
+    out = cm.finish_profile(pts, gpu, log=lambda *_: None)
+    e, m = out["efficiency"], out["measured"]
+    assert e["decode_combine"] == m["decode_combine"] == "sum"
+    assert e["hbm_eff"] == pytest.approx(bw / 1e10) and e["mfu_decode"] == pytest.approx(rate / 1e11)
+    assert e["decode_overhead_s"] == pytest.approx(c) and m["decode_rel_rms_sum"] == pytest.approx(0.0, abs=1e-9)
+    assert m["decode_rel_rms_max"] > 0.05
+    prof = cm.profile_from_dict({**out, "gpu_type": "cpu"}, "p")
+    assert prof.efficiency.decode_combine == "sum"
+    applied = cm.apply_profile(cm.Efficiency(), cpu_cluster(), prof, "p").of("cpu")
+    assert applied.decode_combine == "sum"  # rescaled to the cluster's nominal numbers, the form kept
+    plain = cm.finish_profile(synthetic_points(), gpu, log=lambda *_: None)
+    assert "decode_combine" not in plain["efficiency"] and plain["measured"]["decode_combine"] == "max"
+
+
+def test_decode_combine_reaches_the_decode_step_and_is_checked(tmp_path):
+    model = cm.load_model_spec(TINY)
+    gpu = cpu_cluster().gpu("cpu")
+    te = cm.TypeEfficiency(mfu_infer=0.5, hbm_eff=0.5, decode_overhead_s=0.001)
+    summed = replace(te, decode_combine="sum")
+    memory = cm.decode_bytes_per_step(model, 8, 40.0, 4) / (gpu.hbm_tbps * 1e12 * 0.5)
+    compute = 8 * (model.layers * model.layer_flops_per_token(40.0) + 2 * model.head_params) / (gpu.tflops * 1e12 * 0.5)
+    args = (model, gpu, 1, 1, 8, 40.0, 4, 1.0)
+    assert cm.decode_round_s(args[0], args[1], te, *args[2:]) == pytest.approx(max(memory, compute) + 0.001)
+    assert cm.decode_round_s(args[0], args[1], summed, *args[2:]) == pytest.approx(memory + compute + 0.001)
+    with pytest.raises(cm.SpecError, match="decode_combine must be one of"):
+        cm.TypeEfficiency(decode_combine="avg")
+    with pytest.raises(cm.SpecError, match=r"p\.yaml: efficiency\.decode_combine must be one of \['max', 'sum'\]"):
+        cm.load_profile(write(tmp_path, profile_doc(decode_combine="avg"), "p.yaml"))
+
+
 def test_finish_profile_train_overhead_is_what_the_optimizer_term_leaves():
     gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
     # an intercept smaller than the optimizer term (0.5 ms per step < 375 ms of optimizer bytes): nothing to add
