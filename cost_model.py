@@ -1161,6 +1161,9 @@ class DeviceProfile:
     hbm_tbps: float
     link_gbps: float | None = None
     sync_latency_s: float | None = None
+    # measured under the throttle of an emulated type (`schedule.py profile --gpu-type <emulated type>`): what that
+    # type's pieces of work cost this machine after the throttle's pauses, so it applies to that type alone
+    emulated: bool = False
 
 
 def profile_from_dict(d: dict, source: str = "<profile>") -> DeviceProfile:
@@ -1181,7 +1184,10 @@ def profile_from_dict(d: dict, source: str = "<profile>") -> DeviceProfile:
     gbps = latency = None
     if d.get("sync") is not None:
         gbps, latency = check_profile_sync(d["sync"], source)
-    return DeviceProfile(str(d["gpu_type"]), te, tflops, tbps, gbps, latency)
+    emulated = d.get("emulate") is not None
+    if emulated and not isinstance(d["emulate"], dict):
+        raise SpecError(f"{source}: 'emulate' must be the mapping of fractions the profile was measured under")
+    return DeviceProfile(str(d["gpu_type"]), te, tflops, tbps, gbps, latency, emulated)
 
 
 def load_profile(path: str | os.PathLike) -> DeviceProfile:
@@ -1207,6 +1213,11 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
     constants, which are the cluster's (Efficiency.link_eff, sync_latency_s): link_eff = the measured GB/s over the
     type's intra_gbps, so that the achieved bandwidth of a bucket hop is the measured one."""
     emulated = [name for name, g in cluster.gpu_types.items() if g.emulate is not None]
+    if prof.emulated and prof.gpu_type not in emulated:
+        raise SpecError(
+            f"{source}: a profile measured under the throttle of emulated type '{prof.gpu_type}' applies to that "
+            f"type only, and cluster {cluster.name} has no such emulated type (its emulated types: {emulated})"
+        )
     targets = [prof.gpu_type] if prof.gpu_type in cluster.gpu_types else sorted(emulated)
     if not targets:
         raise SpecError(

@@ -110,7 +110,7 @@ PROFILE_SHAPES = {
 }
 
 
-def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type") -> dict:
+def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type", throttle=None) -> dict:
     """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
     one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
     profile writes it as YAML). `gpu` is the cluster GPU type whose nominal tflops / hbm_tbps the fractions are of.
@@ -134,7 +134,13 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     is timed by the wall clock, a CPU by the process's CPU seconds (see `clock` below).
     nominal "type": the fractions are of gpu's tflops / hbm_tbps; "measured": of this device's own GEMM FLOP/s and
     copy bandwidth (for a device without a trusted spec-sheet peak, e.g. a CPU core; the planner rescales them to
-    the cluster's numbers)."""
+    the cluster's numbers).
+    `throttle` (an emulation.Throttle of an emulated type): the Generator's steps run through it as an emulated
+    rollout rank's do, padded after every step, and are timed by their CPU time as before (the padding not counted).
+    Their constants are then this machine's as that type's rank gets it -- after each of the throttle's pauses, which
+    cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
+    Training steps are one padded piece each in the runtime (one pause per step) and the link is padded by its wall
+    time, exactly: neither is throttled here, and the link is not measured."""
     import time
 
     import torch
@@ -212,9 +218,11 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
             next_id[0] += 1
             gen.add_request(next_id[0], p, SamplingParams(max_new_tokens=new_tokens, seed=next_id[0]))
 
+    step = (lambda gen: gen.step()) if throttle is None else throttle.generator_step  # the rank's own padding
+
     def drain(gen) -> None:
         while gen.num_unfinished():
-            gen.step()
+            step(gen)
 
     # (c) decode and (d) prefill, through rollout.Generator (the rollout rank's own decode loop)
     models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
@@ -234,11 +242,11 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
 
         def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
             add(gen, spec.vocab, b, ctx, steps + 3)
-            gen.step()  # prefill and the first token
+            step(gen)  # prefill and the first token
             sync()
             t0 = clock()
             for _ in range(steps):
-                gen.step()
+                step(gen)
             sync()
             t = (clock() - t0) / steps
             drain(gen)
@@ -289,7 +297,7 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
         train=train,
     )
     # (f) the weight-sync link between two processes of this machine
-    if not cuda and shapes.get("link_bytes"):
+    if not cuda and shapes.get("link_bytes") and throttle is None:
         out["link"] = _profile_link(shapes["link_bytes"], seconds * share["link"])
     if out.get("link"):
         log(

@@ -32,7 +32,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from functools import cache
 
 import mip
@@ -1533,9 +1533,18 @@ def profile_main(argv: list[str]) -> int:
         raise PlanError(f"--seconds must be > 0, got {a.seconds}")
     out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
     from device_profile import profile_device
+    from emulation import Throttle
 
-    prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal)
+    # an emulated type is profiled as its ranks run: every Generator step padded by its throttle
+    emulation = cluster.gpu(gpu_type).emulate
+    throttle = None if emulation is None else Throttle(emulation, gpu_type)
+    if throttle is not None:
+        print(f"profiling emulated type {gpu_type} under its throttle ({asdict(emulation)})")
+    prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal, throttle=throttle)
     doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
+    if throttle is not None:
+        doc["emulate"] = asdict(emulation)
+        doc["throttle_slept_s"] = dict(throttle.slept_s)
     for key in ("efficiency", "sync", "measured", "nominal", "fractions", "dtype", "seconds"):
         if key in prof:
             doc[key] = prof.pop(key)

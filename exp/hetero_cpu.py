@@ -90,15 +90,22 @@ def all_of_type(spec: dict, type_name: str) -> dict:
     return out
 
 
-def planner_for(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profile: str, bucket_mb: float) -> sc.Planner:
+def planner_for(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profiles: list[str], bucket_mb: float) -> sc.Planner:
+    """The planner of `spec` priced by the profiles in order: this machine's applies to every emulated type, a
+    profile of one emulated type (measured under its throttle) then to that type, where the cluster has it."""
     cluster = cm.cluster_from_dict(spec, "cluster")
-    eff = cm.apply_profile(cm.Efficiency(), cluster, cm.load_profile(profile), profile)
+    eff = cm.Efficiency()
+    for path in profiles:
+        prof = cm.load_profile(path)
+        if prof.emulated and prof.gpu_type not in cluster.gpu_types:
+            continue  # the all-of-one-type clusters lack the other type
+        eff = cm.apply_profile(eff, cluster, prof, path)
     return sc.Planner(cluster, model, wl, eff, weight_bucket_mb=bucket_mb)
 
 
-def make_plans(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profile: str, bucket_mb: float) -> dict:
+def make_plans(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profiles: list[str], bucket_mb: float) -> dict:
     """{name: (plan JSON, cluster spec)} of the five plans (identical splits keep their own names)."""
-    p = planner_for(spec, model, wl, profile, bucket_mb)
+    p = planner_for(spec, model, wl, profiles, bucket_mb)
     if len(p.cluster.machines) != 2 or len(p.types) != 2:
         raise SystemExit(f"error: {spec.get('name')}: the experiment needs two machines of two GPU types")
     planned = p.solve()
@@ -113,14 +120,14 @@ def make_plans(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profile: str, b
         plans[name] = (ev, p, spec)
     for t in p.types:
         sub = all_of_type(spec, t)
-        q = planner_for(sub, model, wl, profile, bucket_mb)
+        q = planner_for(sub, model, wl, profiles, bucket_mb)
         plans[f"all-{t}"] = (q.solve(), q, sub)
     return {name: (sc.to_plan_json(planner, ev), s) for name, (ev, planner, s) in plans.items()}
 
 
-def predict(plan: dict, spec: dict, model, wl: cm.Workload, profile: str, bucket_mb: float) -> sc.Evaluation:
+def predict(plan: dict, spec: dict, model, wl: cm.Workload, profiles: list[str], bucket_mb: float) -> sc.Evaluation:
     """The cost model's evaluation of the plan's split and train layout on workload `wl`."""
-    p = planner_for(spec, model, wl, profile, bucket_mb)
+    p = planner_for(spec, model, wl, profiles, bucket_mb)
     p.forced_layout = (plan["train"]["dp"], plan["train"]["tp"], plan["train"]["pp"])
     counts = [0] * len(p.cluster.machines)
     for r in plan["ranks"]:
@@ -189,7 +196,12 @@ def steady(run_dir: Path, skip: int) -> list[dict]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--cluster", default=str(ROOT / "exp/clusters/cpu_hetero.yaml"))
-    ap.add_argument("--profile", default=str(ROOT / "exp/profiles/cpu.yaml"), help="this machine's device profile")
+    ap.add_argument(
+        "--profile",
+        action="append",
+        help="this machine's device profile (default exp/profiles/cpu.yaml); repeated: then profiles of emulated "
+        "types (`schedule.py profile --cluster <it> --gpu-type <type>`, measured under the type's throttle)",
+    )
     ap.add_argument("--model", default="exp/tiny-model")
     ap.add_argument("--out", default=None, help="run directory (default runs/hetero_cpu-<time>)")
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
@@ -208,6 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--plans-only", action="store_true", help="plan and predict; run nothing")
     ap.add_argument("extra", nargs="*", help="train.py key=value overrides for every run")
     args = ap.parse_args(argv)
+    args.profile = args.profile or [str(ROOT / "exp/profiles/cpu.yaml")]
     if args.steps <= args.skip:
         raise SystemExit(f"error: --steps {args.steps} must exceed --skip {args.skip} (the warm-up left out)")
     out = Path(args.out or ROOT / f"runs/hetero_cpu-{time.strftime('%Y%m%d-%H%M%S')}")
@@ -227,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
         (out / f"plan_{name}.json").write_text(json.dumps(pj, indent=1))
     names = list(plans)
     print(f"{len(names)} plans on {spec['name']} for {wl.batch} sequences/step, prompt {prompt_len:.1f} + response "
-          f"{args.gen_mean:g} tokens, eta {wl.eta} (profile {args.profile})")  # fmt: skip
+          f"{args.gen_mean:g} tokens, eta {wl.eta} (profiles {args.profile})")  # fmt: skip
     for name, (pj, _) in plans.items():
         print(f"  {name:12s} {describe(pj)}  predicted step {pj['predicted']['step_s']:.2f} s")
 
@@ -278,7 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         entries.append(entry)
     summary = {
         "cluster": spec,
-        "profile": args.profile,
+        "profiles": args.profile,
         "workload": wl.to_dict(),
         "steps": args.steps,
         "skip": args.skip,

@@ -8,9 +8,11 @@
 #   PROFILE=/tmp/mine.yaml bash exp/hetero_cpu.sh            # a profile of this machine taken before
 #
 # Without PROFILE it first profiles this machine (`schedule.py profile --nominal measured`, ~2 min) into
-# <OUT>/profile.yaml, right before the runs it predicts: a shared host's rates drift (two profiles of this VM an hour
-# apart differ up to 2x), and a profile predicts only the machine it measured. Every emulated type is priced at its
-# fractions of that profile.
+# <OUT>/profile.yaml and then each emulated type under its own throttle into <OUT>/profile_<type>.yaml (~2-3 min
+# each), right before the runs they predict: a shared host's rates drift (two profiles of this VM an hour apart
+# differ up to 2x), a profile predicts only the machine it measured, and an emulated rank's Generator steps cost
+# more CPU after each of its throttle's pauses than back to back (exp/bench_throttle.py). Each type is priced at its
+# fractions of its own profile; with PROFILE, every type at its fractions of that one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -18,6 +20,7 @@ PYTHON="${PYTHON:-.venv/bin/python}"
 MODEL="${MODEL:-exp/tiny-model}"
 OUT="${OUT:-runs/hetero_cpu-$(date +%Y%m%d-%H%M%S)}"
 PROFILE="${PROFILE:-}"
+CLUSTER="${CLUSTER:-exp/clusters/cpu_hetero.yaml}"
 STEPS="${STEPS:-12}"
 REPEATS="${REPEATS:-2}"
 
@@ -26,14 +29,22 @@ if [[ ! -d "$MODEL" ]]; then
   exit 2
 fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE="${WANDB_MODE:-disabled}" OMP_NUM_THREADS=1
+PROFILES=()
 if [[ -z "$PROFILE" ]]; then
-  if [[ -e "$OUT/profile.yaml" ]]; then
-    PROFILE="$OUT/profile.yaml"  # a resumed experiment keeps the profile it was predicted with
-  else
-    mkdir -p "$OUT"
-    "$PYTHON" schedule.py profile --cluster exp/clusters/cpu.yaml --gpu-type cpu --nominal measured --out "$OUT/profile.yaml"
-    PROFILE="$OUT/profile.yaml"
-  fi
+  # this machine (the link and every type's training), then each emulated type under its own throttle (its
+  # Generator steps padded as its rollout ranks' are); a resumed experiment keeps the profiles it was predicted with
+  mkdir -p "$OUT"
+  [[ -e "$OUT/profile.yaml" ]] \
+    || "$PYTHON" schedule.py profile --cluster exp/clusters/cpu.yaml --gpu-type cpu --nominal measured --out "$OUT/profile.yaml"
+  PROFILES+=(--profile "$OUT/profile.yaml")
+  for type in $("$PYTHON" -c "import sys, yaml; print(' '.join(yaml.safe_load(open(sys.argv[1]))['gpu_types']))" "$CLUSTER"); do
+    [[ -e "$OUT/profile_$type.yaml" ]] \
+      || "$PYTHON" schedule.py profile --cluster "$CLUSTER" --gpu-type "$type" --nominal measured --out "$OUT/profile_$type.yaml"
+    PROFILES+=(--profile "$OUT/profile_$type.yaml")
+  done
+else
+  PROFILES+=(--profile "$PROFILE")
 fi
-"$PYTHON" exp/hetero_cpu.py --model "$MODEL" --out "$OUT" --profile "$PROFILE" --steps "$STEPS" --repeats "$REPEATS" "$@"
+"$PYTHON" exp/hetero_cpu.py --model "$MODEL" --cluster "$CLUSTER" --out "$OUT" "${PROFILES[@]}" --steps "$STEPS" \
+  --repeats "$REPEATS" "$@"
 "$PYTHON" exp/plot_hetero.py "$OUT/hetero_summary.json" --out "$OUT/hetero.png"

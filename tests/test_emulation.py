@@ -251,7 +251,7 @@ def test_the_hetero_experiment_plans_five_splits_of_one_budget():
     model = cm.load_model_spec(ROOT / "exp/tiny-model")
     wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
                      precision="fp32", microbatch_tokens=1024, max_batch=8, train_passes=3)  # fmt: skip
-    plans = hetero_cpu.make_plans(spec, model, wl, str(ROOT / "exp/profiles/cpu.yaml"), 64.0)
+    plans = hetero_cpu.make_plans(spec, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
     assert list(plans) == ["planner", "swapped", "mixed", "all-h20ish", "all-h800ish"]
 
     def trainers(pj: dict) -> list[int]:
@@ -274,5 +274,5 @@ def test_the_hetero_experiment_plans_five_splits_of_one_budget():
     assert min(steps, key=steps.get) == "planner"
     # re-pricing a plan on its own workload gives back its prediction
     pj, sub = plans["mixed"]
-    again = hetero_cpu.predict(pj, sub, model, wl, str(ROOT / "exp/profiles/cpu.yaml"), 64.0)
+    again = hetero_cpu.predict(pj, sub, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
     assert again.step_s == pytest.approx(pj["predicted"]["step_s"])

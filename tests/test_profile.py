@@ -206,6 +206,37 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     assert doc["seconds"] < 120
 
 
+def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
+    """`schedule.py profile --gpu-type h800ish` on the emulated cluster: the Generator's steps are padded by the type's
+    throttle (it slept), the profile records the fractions, and it prices that type only."""
+    spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
+    spec["gpu_types"]["h800ish"]["emulate"] = {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}  # mild: a short test
+    cluster = write(tmp_path, spec, "hetero.yaml")
+    out = tmp_path / "h800ish.yaml"
+    r = subprocess.run(
+        [sys.executable, "schedule.py", "profile", "--cluster", str(cluster), "--gpu-type", "h800ish"]
+        + ["--seconds", "8", "--nominal", "measured", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        env=ENV,
+        timeout=180,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "under its throttle" in r.stdout
+    doc = yaml.safe_load(out.read_text())
+    assert doc["emulate"] == {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}
+    assert doc["throttle_slept_s"]["bandwidth"] > 0 and doc["throttle_slept_s"]["compute"] > 0
+    assert "sync" not in doc  # the link is padded by its wall time, exactly: not measured under the throttle
+    prof = cm.load_profile(out)
+    assert prof.emulated and prof.gpu_type == "h800ish"
+    hetero = cm.load_cluster(cluster)
+    eff = cm.apply_profile(cm.Efficiency(), hetero, prof, str(out))
+    assert set(eff.per_type) == {"h800ish"}  # not the other emulated type, as a machine profile would
+    with pytest.raises(cm.SpecError, match="applies to that type only"):
+        cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, str(out))
+
+
 # ----------------------------------------------------------------------------- the paper's H800 / H20 profiles
 
 sys.path.insert(0, str(ROOT / "exp"))
