@@ -1520,9 +1520,16 @@ def profile_main(argv: list[str]) -> int:
         help="fractions of --gpu-type's tflops / hbm_tbps, or of this device's measured GEMM and copy rates "
         "(for a device with no trusted peak, e.g. a CPU core; the planner rescales them to the cluster's numbers)",
     )
+    ap.add_argument(
+        "--refit",
+        default=None,
+        metavar="PROFILE",
+        help="measure nothing: fit PROFILE's stored points again with this version's fit (cost_model.finish_profile) "
+        "and write the result to --out",
+    )
     a = ap.parse_args(argv)
-    import yaml
-
+    if a.refit:
+        return refit_profile(a.refit, a.out)
     cluster = cm.load_cluster(a.cluster)
     gpu_type = a.gpu_type or (next(iter(cluster.gpu_types)) if len(cluster.gpu_types) == 1 else None)
     if gpu_type not in cluster.gpu_types:
@@ -1549,12 +1556,42 @@ def profile_main(argv: list[str]) -> int:
         if key in prof:
             doc[key] = prof.pop(key)
     doc["points"] = prof  # the raw measurements the constants were fitted to
+    return write_profile(doc, out)
+
+
+def write_profile(doc: dict, out: str) -> int:
+    import yaml
+
     cm.profile_from_dict(doc, out)  # what the planner will read back
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         yaml.safe_dump(json.loads(json.dumps(doc)), f, sort_keys=False)
     print(f"wrote {out} ({doc['seconds']:.0f} s): {json.dumps(doc['efficiency'])}")
     return 0
+
+
+def refit_profile(path: str, out: str | None) -> int:
+    """`schedule.py profile --refit P --out Q`: P's stored points fitted again (a profile keeps them for this), so
+    that a profile taken before a change of the fit is read as the current code would have read it."""
+    import yaml
+
+    if not out:
+        raise cm.SpecError("--refit needs --out (the refitted profile; the measured one is kept as it is)")
+    cm.load_profile(path)  # a readable profile, or one clear error
+    with open(path) as f:
+        doc = yaml.safe_load(f)
+    if not isinstance(doc.get("points"), dict) or not doc["points"].get("decode"):
+        raise cm.SpecError(f"{path}: no stored points to refit (schedule.py profile writes them under 'points')")
+    nominal = doc["nominal"]
+    gpu = cm.GPUType(
+        str(nominal.get("gpu_type", doc["gpu_type"])), 0, float(nominal["tflops"]), float(nominal["hbm_tbps"]), 0, 0
+    )
+    fitted = cm.finish_profile({"device": doc["device"], **doc["points"]}, gpu, elapsed=doc.get("seconds", 0.0))
+    for key in ("efficiency", "sync", "measured", "fractions"):
+        if key in fitted:
+            doc[key] = fitted[key]
+    doc["refitted_from"] = str(path)
+    return write_profile(doc, out)
 
 
 def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:

@@ -356,6 +356,25 @@ def test_finish_profile_keeps_the_decode_form_the_points_fit():
     assert "decode_combine" not in plain["efficiency"] and plain["measured"]["decode_combine"] == "max"
 
 
+def test_refit_fits_a_stored_profile_again_with_this_version(tmp_path, capsys):
+    """`schedule.py profile --refit`: the stored points, fitted again, whatever constants the file held."""
+    pts = synthetic_points()
+    gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
+    fitted = cm.finish_profile(dict(pts), gpu, log=lambda *_: None)
+    doc = {"device": "synthetic", "gpu_type": "cpu", "nominal": fitted["nominal"], "seconds": 1.0, "points": pts}
+    doc["efficiency"] = {**fitted["efficiency"], "hbm_eff": 0.01, "decode_overhead_s": 0.5}  # an older fit's
+    old, new = write(tmp_path, doc, "old.yaml"), tmp_path / "new.yaml"
+    assert sc.main(["profile", "--refit", str(old), "--out", str(new)]) == 0
+    refitted = yaml.safe_load(new.read_text())
+    assert refitted["efficiency"] == pytest.approx(fitted["efficiency"]) and refitted["refitted_from"] == str(old)
+    assert yaml.safe_load(old.read_text())["efficiency"]["hbm_eff"] == 0.01  # the measured file is left alone
+    assert sc.main(["profile", "--refit", str(old)]) != 0
+    assert "--refit needs --out" in capsys.readouterr().err
+    bare = write(tmp_path, {**doc, "points": {}}, "bare.yaml")
+    assert sc.main(["profile", "--refit", str(bare), "--out", str(new)]) != 0
+    assert "no stored points to refit" in capsys.readouterr().err
+
+
 def test_decode_combine_reaches_the_decode_step_and_is_checked(tmp_path):
     model = cm.load_model_spec(TINY)
     gpu = cpu_cluster().gpu("cpu")
