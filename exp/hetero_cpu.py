@@ -15,7 +15,9 @@ same price per rank, so that neither all-of-one-type cluster of the same budget 
   all-<type>     the planner's plan for the same machines all of one type (the same budget, prices equal)
 
 Each plan is planned and priced with the device profile of this machine (--profile, `schedule.py profile`), whose
-constants apply to every emulated type at its fractions (cost_model.apply_profile, Cluster.speed). Each run is
+constants apply to every emulated type at its fractions (cost_model.apply_profile, Cluster.speed), and then with
+any further --profile of one emulated type, measured under that type's throttle (`schedule.py profile --cluster
+<this cluster> --gpu-type <type>`; exp/hetero_cpu.sh takes all three), which replaces that type's constants. Each run is
 train.py on the CPU demo's job (exp/configs/cpu_demo.yaml: 16 prompts x 8 samples, eta 4; --max-batch 8 sequences
 per replica) for --steps steps,
 without evaluations, one torchrun agent per emulated machine (static rendezvous on 127.0.0.1, so node k is the
