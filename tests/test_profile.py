@@ -182,13 +182,11 @@ def test_planning_with_a_profile_uses_it(tmp_path):
     assert slow["predicted"]["rollout_s"] > base["predicted"]["rollout_s"]
 
 
-def test_profile_cli_smoke_on_cpu(tmp_path):
-    """`schedule.py profile --seconds 10` on CPU (about 15-30 s with imports and model builds): it runs the runtime's
-    Generator and Trainer, writes a profile the planner reads back, and prints the constants."""
-    out = tmp_path / "cpu.yaml"
+def run_profile(cluster, gpu_type: str, seconds: float, out: Path) -> subprocess.CompletedProcess:
+    """`schedule.py profile --nominal measured` as a user runs it; asserts it exited 0."""
     r = subprocess.run(
-        [sys.executable, "schedule.py", "profile", "--cluster", "exp/clusters/cpu.yaml", "--gpu-type", "cpu"]
-        + ["--seconds", "10", "--nominal", "measured", "--out", str(out)],
+        [sys.executable, "schedule.py", "profile", "--cluster", str(cluster), "--gpu-type", gpu_type]
+        + ["--seconds", str(seconds), "--nominal", "measured", "--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -196,6 +194,14 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
         timeout=180,
     )
     assert r.returncode == 0, r.stdout + r.stderr
+    return r
+
+
+def test_profile_cli_smoke_on_cpu(tmp_path):
+    """`schedule.py profile --seconds 10` on CPU (about 15-30 s with imports and model builds): it runs the runtime's
+    Generator and Trainer, writes a profile the planner reads back, and prints the constants."""
+    out = tmp_path / "cpu.yaml"
+    r = run_profile("exp/clusters/cpu.yaml", "cpu", 10, out)
     for what in ("gemm:", "copy:", "decode:", "prefill:", "train:", "mfu_train", "hbm_eff", "decode_overhead_s"):
         assert what in r.stdout, r.stdout
     doc = yaml.safe_load(out.read_text())
@@ -213,16 +219,7 @@ def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tm
     spec["gpu_types"]["h800ish"]["emulate"] = {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}  # mild: a short test
     cluster = write(tmp_path, spec, "hetero.yaml")
     out = tmp_path / "h800ish.yaml"
-    r = subprocess.run(
-        [sys.executable, "schedule.py", "profile", "--cluster", str(cluster), "--gpu-type", "h800ish"]
-        + ["--seconds", "8", "--nominal", "measured", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=180,
-    )
-    assert r.returncode == 0, r.stdout + r.stderr
+    r = run_profile(cluster, "h800ish", 8, out)
     assert "under its throttle" in r.stdout
     doc = yaml.safe_load(out.read_text())
     assert doc["emulate"] == {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}
