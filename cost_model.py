@@ -1131,10 +1131,10 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
         _check_overhead(
             values["train_overhead_s"], "train_overhead_s", "efficiency", source, "a fixed cost per optimizer step"
         )
-    combine = eff.get("decode_combine", "max")
-    if combine not in DECODE_COMBINES:
-        raise SpecError(f"{source}: efficiency.decode_combine must be one of {list(DECODE_COMBINES)}, got {combine!r}")
-    return TypeEfficiency(**values, decode_combine=combine)
+    try:
+        return TypeEfficiency(**values, decode_combine=eff.get("decode_combine", "max"))
+    except SpecError as e:  # TypeEfficiency checks the form; say where it came from
+        raise SpecError(f"{source}: efficiency.{e}") from None
 
 
 def check_profile_sync(sync, source: str) -> tuple[float, float]:
