@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import yaml
@@ -289,6 +289,11 @@ class ModelSpec:
     def params(self) -> int:
         return self.layers * self.layer_params + self.vocab * self.hidden * (1 if self.tied else 2) + self.hidden
 
+    @property
+    def optimizer_params(self) -> int:
+        """The parameters train_step_seconds' optimizer term charges a one-stage trainer (its layers, the LM head)."""
+        return self.layers * self.layer_params + self.head_params
+
     def kv_bytes_per_token_layer(self, nbytes: int, tp: int = 1) -> float:
         """K and V of one token in one layer on one TP rank (KV heads replicate once tp > kv_heads)."""
         return 2 * max(self.kv_heads / tp, 1.0) * self.head_dim * nbytes
@@ -452,6 +457,15 @@ class TypeEfficiency:
     # weights and runs the small-row matmuls in one instruction stream). A device profile picks the one its own
     # decode steps fit better (finish_profile)
     decode_combine: str = "max"
+    # the work a tensor-parallel rank still does in full, per token, layer and training pass, in hidden-sized tensors
+    # streamed at the decode bandwidth (hbm_eff): the norms, residual adds and loss TP does not divide (Megatron
+    # replicates them across a TP group) and, on a CPU, each op's host work. A TP stage gains (1 - 1/tp) of it
+    # (train_step_seconds); 0 unless a device profile measured a TP step (finish_profile)
+    tp_unsplit: float = 0.0
+    # fixed seconds per optimizer step a TP rank spends beyond what a TP-1 step's fixed part and 1/tp of its optimizer
+    # cost (the gradient norm's all-reduce over the TP group, the replicated parameters' updates, each collective's
+    # host work); measured at tp 2 by a device profile, 0 unless it did
+    tp_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_combine not in DECODE_COMBINES:
@@ -793,11 +807,13 @@ def train_step_seconds(
     """C_TRAIN per RL step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
     per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
                                      + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
+                                     + (1 - 1/tp) * the work TP leaves whole (tp_unsplit hidden-sized tensors per
+                                       token, layer and pass at the decode bandwidth)
                                      + PP send of mb*H bytes per pass to the next stage
     pipeline per minibatch = sum_k t_k + (m - 1) * max_k t_k      (1F1B bubble, m micro-batches per replica)
     + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)
     + the type's fixed seconds per optimizer step `train_overhead_s` (0 unless a device profile sets it: the
-    intercept of its Trainer steps, less this optimizer term).
+    intercept of its Trainer steps, less this optimizer term), and at tp > 1 its `tp_overhead_s`.
     A stage's `speed` (Cluster.speed: < 1 only for CPU processes sharing cores) scales its compute, its optimizer
     and its fixed per-step work; the links are not scaled."""
     nbytes = wl.bytes
@@ -818,6 +834,8 @@ def train_step_seconds(
         if tp > 1:
             ar_bytes = 2 * (tp - 1) / tp * mb * model.hidden * nbytes
             t += 2 * passes * st.layers * (LINK_LATENCY_S + ar_bytes / (st.tp_gbps * 1e9))
+            unsplit = passes * mb * st.layers * te.tp_unsplit * model.hidden * nbytes
+            t += (1 - 1 / tp) * unsplit / (gpu.hbm_tbps * 1e12 * te.hbm_eff * st.speed)
         if not last:
             t += passes * (LINK_LATENCY_S + mb * model.hidden * nbytes / (st.next_gbps * 1e9))
         times.append(t)
@@ -825,7 +843,7 @@ def train_step_seconds(
         if dp > 1:
             dp_sync = max(dp_sync, LINK_LATENCY_S + 2 * (dp - 1) / dp * params * 4 / (st.dp_gbps * 1e9))
         opt = max(opt, params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff * st.speed))
-        fixed = max(fixed, te.train_overhead_s / st.speed)
+        fixed = max(fixed, (te.train_overhead_s + (te.tp_overhead_s if tp > 1 else 0.0)) / st.speed)
     pipeline = sum(times) + (m - 1) * max(times)
     return wl.ppo_minibatches * (pipeline + dp_sync + opt + fixed)
 
@@ -1012,9 +1030,13 @@ def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
 PROFILE_FRACTIONS = ("mfu_train", "mfu_infer", "hbm_eff")
 PROFILE_OPTIONAL_FRACTIONS = ("mfu_decode",)
 PROFILE_OVERHEADS = ("decode_overhead_s",)
-PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s",)
+PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s", "tp_overhead_s")
 PROFILE_MAX_FRACTION = 1.2
 PROFILE_MAX_OVERHEAD_S = 10.0
+# tp_unsplit is a count of hidden-sized tensor passes per token, layer and training pass. A GPU's TP ranks replicate
+# about 10-20 (each norm, residual add and dropout reads and writes one, forward and backward); a CPU core adds each
+# op's host work, a few hundred at the tiny model's sizes. Past this a TP step's fit is noise or a broken step
+PROFILE_MAX_TP_UNSPLIT = 2000.0
 # the optimizer's bytes per parameter as train_step_seconds prices them (dp 1: fp32 master, grads, AdamW moments)
 OPTIMIZER_BYTES_DP1 = 18 + 12
 
@@ -1127,10 +1149,17 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
     _check_overhead(
         values["decode_overhead_s"], "decode_overhead_s", "efficiency", source, "a fixed cost per decode step"
     )
-    if "train_overhead_s" in values:
-        _check_overhead(
-            values["train_overhead_s"], "train_overhead_s", "efficiency", source, "a fixed cost per optimizer step"
-        )
+    for key in PROFILE_OPTIONAL_OVERHEADS:
+        if key in values:
+            _check_overhead(values[key], key, "efficiency", source, "a fixed cost per optimizer step")
+    if eff.get("tp_unsplit") is not None:
+        values["tp_unsplit"] = _profile_number(eff, "tp_unsplit", "efficiency", source)
+        if not 0 <= values["tp_unsplit"] <= PROFILE_MAX_TP_UNSPLIT:
+            raise SpecError(
+                f"{source}: efficiency.tp_unsplit = {values['tp_unsplit']:.4g} is not physically plausible: the "
+                f"hidden-sized tensors a TP rank streams whole per token, layer and pass lie in "
+                f"[0, {PROFILE_MAX_TP_UNSPLIT:g}] (exp/PLANNER.md, 'Device profiles'); profile again"
+            )
     try:
         return TypeEfficiency(**values, decode_combine=eff.get("decode_combine", "max"))
     except SpecError as e:  # TypeEfficiency checks the form; say where it came from
@@ -1207,8 +1236,9 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
     cluster must emulate device types (emulation.py): those are fractions of the machine that ran the profile, so a
     profile of another type of this machine (exp/profiles/cpu.yaml) applies to each of them (Cluster.speed then
     prices the fractions); a profile of an emulated type itself (`schedule.py profile --gpu-type <it>`, measured
-    under its throttle, normalised to the machine) applies to it alone -- give it after the machine's. Where the cluster gives
-    a type other nominal numbers than the profile's, the fractions are rescaled so that the achieved rates
+    under its throttle, normalised to the machine) applies to it alone -- give it after the machine's, whose
+    training constants it keeps (its own training ran unthrottled: a second reading of the same machine). Where the
+    cluster gives a type other nominal numbers than the profile's, the fractions are rescaled so that the achieved rates
     (fraction x nominal) stay the measured ones. A profile with a `sync` section also sets the weight-sync
     constants, which are the cluster's (Efficiency.link_eff, sync_latency_s): link_eff = the measured GB/s over the
     type's intra_gbps, so that the achieved bandwidth of a bucket hop is the measured one."""
@@ -1229,7 +1259,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
     for name in targets:
         g = cluster.gpu_types[name]
         flops, bw = prof.tflops / g.tflops, prof.hbm_tbps / g.hbm_tbps
-        out.per_type[name] = TypeEfficiency(
+        typed = TypeEfficiency(
             mfu_train=te.mfu_train * flops,
             mfu_infer=te.mfu_infer * flops,
             hbm_eff=te.hbm_eff * bw,
@@ -1237,11 +1267,56 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
             train_overhead_s=te.train_overhead_s,
             mfu_decode=None if te.mfu_decode is None else te.mfu_decode * flops,
             decode_combine=te.decode_combine,
+            tp_unsplit=te.tp_unsplit,
+            tp_overhead_s=te.tp_overhead_s,
         )
+        if prof.emulated and name in eff.per_type:
+            # a type profile's training is unthrottled, another reading of this machine's: the machine profile's
+            # stays, one measurement for every type, so their training costs keep the ratio of their fractions
+            # (a TP step's unsplit work is measured there too, at the decode bandwidth it was fitted with)
+            prior = eff.per_type[name]
+            typed = replace(
+                typed,
+                mfu_train=prior.mfu_train,
+                train_overhead_s=prior.train_overhead_s,
+                tp_unsplit=prior.tp_unsplit * typed.hbm_eff / prior.hbm_eff,
+                tp_overhead_s=prior.tp_overhead_s,
+            )
+        out.per_type[name] = typed
     if prof.link_gbps is not None:
         out.link_eff = prof.link_gbps / cluster.gpu_types[targets[0]].intra_gbps
         out.sync_latency_s = prof.sync_latency_s
     return out
+
+
+def tp_unsplit_fit(
+    tp_steps: dict | None, train_rate: float, optimizer_s: float, train_overhead_s: float, bw: float
+) -> tuple[float, float] | None:
+    """(tp_unsplit, tp_overhead_s) from a profile's TP steps (device_profile._profile_train_tp): what each step took
+    beyond what train_step_seconds charges a TP rank without them -- the fitted FLOP rate's FLOPs / tp, the optimizer
+    over 1/tp of the parameters, the fixed seconds per optimizer step, the all-reduces over the type's intra link --
+    is e = optimizer_steps * tp_overhead_s + tp_unsplit * x, x = (1 - 1/tp) of the step's hidden-sized tensor
+    passes at the fitted decode bandwidth `bw` (B/s): least squares over the steps, both terms >= 0 (one step: all
+    of it per token). So the cost model gives back the measured steps. None without TP steps."""
+    if not tp_steps or not tp_steps.get("points"):
+        return None
+    tp, layers, hidden = tp_steps["tp"], tp_steps["layers"], tp_steps["hidden"]
+    passes, nbytes, opt_steps = tp_steps["passes"], tp_steps["bytes"], tp_steps["optimizer_steps"]
+    xs, es = [], []
+    for p in tp_steps["points"]:
+        tokens = p["tokens"]
+        microbatches = opt_steps * math.ceil(tokens / opt_steps / tp_steps["micro_batch_tokens"])
+        ring = 2 * (tp - 1) / tp * tokens * hidden * nbytes / (tp_steps["intra_gbps"] * 1e9)
+        all_reduce = 2 * passes * layers * (microbatches * LINK_LATENCY_S + ring)
+        charged = p["flops"] / (tp * train_rate) + opt_steps * (optimizer_s / tp + train_overhead_s) + all_reduce
+        xs.append((1 - 1 / tp) * passes * tokens * layers * hidden * nbytes / bw)
+        es.append(p["step_s"] - charged)
+    unsplit, fixed = (fit_line(xs, es)[:2]) if len(set(xs)) > 1 else (0.0, -1.0)
+    if unsplit < 0:  # no growth with the tokens: all of it per optimizer step
+        unsplit, fixed = 0.0, max(0.0, sum(es) / len(es))
+    elif fixed < 0:  # all of it per token, through the origin
+        unsplit, fixed = max(0.0, sum(e * x for e, x in zip(es, xs)) / sum(x * x for x in xs)), 0.0
+    return unsplit, fixed / opt_steps
 
 
 def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> dict:
@@ -1259,6 +1334,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
                 steps (its PPO minibatches), so c / optimizer_steps is what one optimizer step costs besides the FLOPs;
                 train_overhead_s is that less what train_step_seconds already charges for the optimizer of the
                 profiled model (its `params` at OPTIMIZER_BYTES_DP1 bytes each over the decode bandwidth)
+      train_tp  (optional) train points as tensor-parallel steps: tp_unsplit, tp_overhead_s (tp_unsplit_fit)
       link      one weight-sync bucket hop between two processes, as a train rank waits for it (fill a buffer,
                 checksum it, send; the receiver takes it): hop = bytes / bandwidth (sync.link_gbps); a tiny hop is
                 the fixed cost (sync.sync_latency_s)"""
@@ -1298,8 +1374,10 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     train = out["train"]
     train_rate, train_c, r2_train = fit_rate([p["flops"] for p in train], [p["step_s"] for p in train], "train")
     opt_steps = train[0].get("optimizer_steps", 1)
-    params = train[0].get("params", 0)
-    if any(p.get("optimizer_steps", 1) != opt_steps or p.get("params", 0) != params for p in train):
+    # the parameters the cost model's optimizer term charges (a profile before this key: all of them)
+    key = "optimizer_params" if "optimizer_params" in train[0] else "params"
+    params = train[0].get(key, 0)
+    if any(p.get("optimizer_steps", 1) != opt_steps or p.get(key, 0) != params for p in train):
         raise SpecError("profile: the train points must share one model and one number of optimizer steps")
     optimizer_s = params * OPTIMIZER_BYTES_DP1 / bw  # what train_step_seconds charges per optimizer step (dp 1)
     # what one optimizer step costs beyond that. A negative intercept is a noisy fit (refused below); an intercept
@@ -1308,6 +1386,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     train_overhead = train_c / opt_steps - optimizer_s
     if train_c >= 0:
         train_overhead = max(0.0, train_overhead)
+    tp_fit = tp_unsplit_fit(out.get("train_tp"), train_rate, optimizer_s, train_overhead, bw)
     peak, hbm = gpu.tflops * 1e12, gpu.hbm_tbps * 1e12
     out["measured"] = {
         "gemm_tflops": out["gemm_tflops"],
@@ -1327,6 +1406,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "train_r2": r2_train,
         "train_optimizer_steps": opt_steps,
         "train_model_optimizer_s": optimizer_s,
+        **({} if tp_fit is None else {"train_tp_unsplit": tp_fit[0], "train_tp_overhead_s": tp_fit[1]}),
     }
     out["nominal"] = {"gpu_type": gpu.name, "tflops": gpu.tflops, "hbm_tbps": gpu.hbm_tbps}
     out["fractions"] = {"gemm": gemm_rate / peak, "copy": copy_rate / hbm}  # of the nominal peaks (diagnostic)
@@ -1338,6 +1418,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "train_overhead_s": train_overhead,
         **({} if decode_rate is None else {"mfu_decode": decode_rate / peak}),
         **({} if combine == "max" else {"decode_combine": combine}),
+        **({} if tp_fit is None else {"tp_unsplit": tp_fit[0], "tp_overhead_s": tp_fit[1]}),
     }
     link = out.get("link")
     if link:
@@ -1373,6 +1454,12 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         f"step(s) (r2 {r2_train:.3f}): {e['train_overhead_s'] * 1e3:.2f} ms per optimizer step besides the "
         f"{optimizer_s * 1e3:.2f} ms the cost model's optimizer term charges"
     )
+    if tp_fit is not None:
+        log(
+            f"train:   a tp {out['train_tp']['tp']} rank streams {tp_fit[0]:.1f} hidden-sized tensors per token, layer "
+            f"and pass that TP does not divide (tp_unsplit) and spends {tp_fit[1] * 1e3:.2f} ms more per optimizer "
+            "step (tp_overhead_s)"
+        )
     if link:
         log(
             f"link:    {m['link_gbps']:9.3f} GB/s per bucket hop + {m['link_latency_s'] * 1e3:.3f} ms for a tiny one "

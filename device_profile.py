@@ -67,6 +67,9 @@ PROFILE_SHAPES = {
         "decode_steps": 16,
         "prefill": [(1, 64), (4, 64), (4, 128), (8, 128)],
         "train": [(4, 32, 32), (8, 32, 32), (8, 64, 64), (16, 64, 64)],  # (trajectories, prompt, response)
+        # the TP-2 steps: one and four 1024-token micro-batches per minibatch, the CPU runs' size, so that the work
+        # TP leaves whole separates into its part per token and its part per optimizer step
+        "train_tp": [(16, 64, 64), (64, 64, 64)],
         "train_mb": 1024,  # micro_batch_tokens (the CPU demo's)
         "work_model": 1,  # the model prefill runs on (an index into models)
         "train_model": 0,  # the model training runs on: the tiny one (see above)
@@ -81,6 +84,7 @@ PROFILE_SHAPES = {
             "compute_models": 1,
             "prefill": [(1, 32), (4, 32), (4, 64)],
             "train": [(4, 16, 16), (8, 16, 32)],
+            "train_tp": [(8, 16, 32), (32, 16, 32)],
             "link_bytes": [2**20, 4 * 2**20, 16 * 2**20],
         },
     },
@@ -110,6 +114,26 @@ PROFILE_SHAPES = {
 }
 
 
+def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
+    """A random HF Llama of these dimensions (seeded: every process that builds it holds the same weights) and its
+    cost-model spec."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        vocab_size=vocab,
+        hidden_size=h,
+        intermediate_size=i,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=kv,
+        max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return LlamaForCausalLM(cfg), cm.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
+
+
 def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type", throttle=None) -> dict:
     """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
     one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
@@ -125,6 +149,9 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
       train     parallel.trainer.Trainer.train_step on one gloo rank (2 PPO minibatches, so the proximal log-prob
                 recompute runs: 4 passes, as cost_model counts them): step = FLOPs / rate + overhead, the overhead
                 per optimizer step (less the cost model's own optimizer term) being train_overhead_s
+      train_tp  (CPU) the largest train point again as a tensor-parallel step of two processes: a TP rank still runs
+                the work TP does not divide (norms, residual adds, the loss, each op's host work) and the
+                all-reduces; what it took beyond the cost model's FLOPs / tp and all-reduce terms is tp_unsplit
       link      (CPU) one weight-sync bucket hop between this process and a second one over gloo, as
                 parallel/weight_sync.py's owner makes it and a train rank waits for it: fill a fresh buffer,
                 checksum it, send; the receiver takes it into a fresh buffer and acknowledges (its verify and copy-out
@@ -140,11 +167,11 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     Their constants are then this machine's as that type's rank gets it -- after each of the throttle's pauses, which
     cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
     Training steps are one padded piece each in the runtime (one pause per step) and the link is padded by its wall
-    time, exactly: neither is throttled here, and the link is not measured."""
+    time, exactly: neither is throttled here, the link and the TP step are not measured, and a planner given this
+    machine's profile first keeps its training constants for every type (cost_model.apply_profile)."""
     import time
 
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     from rollout import Generator, SamplingParams
 
@@ -162,7 +189,7 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a shared,
     # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
     clock = time.perf_counter if cuda else time.process_time
-    share = {"gemm": 0.07, "copy": 0.06, "decode": 0.45, "prefill": 0.13, "train": 0.25, "link": 0.04}
+    share = {"gemm": 0.07, "copy": 0.06, "decode": 0.45, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "link": 0.04}
 
     def timed(fn, budget_s: float) -> float:
         """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
@@ -196,20 +223,6 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     del src, dst
     log(f"copy:    {copy_tbps * 1e3:9.1f} GB/s (read + write)")
 
-    def llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
-        cfg = LlamaConfig(
-            vocab_size=vocab,
-            hidden_size=h,
-            intermediate_size=i,
-            num_hidden_layers=layers,
-            num_attention_heads=heads,
-            num_key_value_heads=kv,
-            max_position_embeddings=4096,
-            tie_word_embeddings=False,
-        )
-        torch.manual_seed(0)
-        return LlamaForCausalLM(cfg), cm.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
-
     rng = torch.Generator().manual_seed(0)
     next_id = [0]
 
@@ -231,7 +244,7 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     decode, prefill = [], []
     n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
     for mi, dims in enumerate(models):
-        hf, spec = llama(*dims)
+        hf, spec = _random_llama(*dims)
         hf = hf.to(device=device, dtype=dtype)
         every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
         gen = Generator(
@@ -279,8 +292,9 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
                 prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
         del gen, hf
     # (e) a training step of parallel.trainer.Trainer on one rank
+    train_dims = models[shapes.get("train_model", shapes["work_model"])]
     train = _profile_train(
-        llama(*models[shapes.get("train_model", shapes["work_model"])]),
+        _random_llama(*train_dims),
         shapes["train"],
         shapes["train_mb"],
         device,
@@ -296,6 +310,16 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
         prefill=prefill,
         train=train,
     )
+    # (e') train points again, tensor-parallel over two processes of this machine (CPU: one GPU has no second
+    # device; a type profile's training is the machine's, cost_model.apply_profile)
+    if not cuda and throttle is None and shapes.get("train_tp"):
+        tp_points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes["train_tp"])]
+        out["train_tp"] = _profile_train_tp(
+            train_dims, tp_points, shapes["train_mb"], gpu.intra_gbps, seconds * share["train_tp"]
+        )
+    if out.get("train_tp"):
+        steps = ", ".join(f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} ms" for p in out["train_tp"]["points"])
+        log(f"train:   tp {TRAIN_TP} steps of {steps}")
     # (f) the weight-sync link between two processes of this machine
     if not cuda and shapes.get("link_bytes") and throttle is None:
         out["link"] = _profile_link(shapes["link_bytes"], seconds * share["link"])
@@ -309,72 +333,181 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
 
 
-def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, timed, budget_s: float) -> list[dict]:
-    """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories."""
-    import tempfile
+def _random_trajectories(vocab: int, n: int, prompt: int, response: int, seed: int) -> list:
+    """n random trajectories of these lengths (seeded: every rank of a TP step builds the same batch)."""
     from types import SimpleNamespace
 
     import torch
-    import torch.distributed as dist
 
+    rng = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        ids = torch.randint(0, vocab, (prompt + response,), generator=rng).tolist()
+        out.append(
+            SimpleNamespace(
+                prompt_id=i,
+                sample_idx=0,
+                prompt_ids=ids[:prompt],
+                response_ids=ids[prompt:],
+                behav_logprobs=(-9.0 + 0.1 * torch.randn(response, generator=rng)).tolist(),
+                versions=[0] * response,
+                reward=0.0,
+                advantage=float(torch.randn((), generator=rng)),
+            )
+        )
+    return out
+
+
+PROFILE_MINIBATCHES = 2  # PPO minibatches of a profiled train step: the proximal recompute runs, as in RL runs
+
+
+def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype):
+    """The Trainer a profile times: one stage of every layer over `tp` ranks (the world), 2 PPO minibatches (so the
+    proximal log-prob recompute runs: the 4 passes cm.Workload().train_passes counts)."""
     from config import TrainConfig
     from parallel.groups import build_groups
     from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer
 
+    groups = build_groups(make_train_plan(1, tp, 1, [(0, spec.layers)]))
+    cfg = TrainConfig(
+        lr=1e-6, ppo_minibatches=PROFILE_MINIBATCHES, micro_batch_tokens=micro_batch_tokens, min_microbatches=1
+    )
+    return Trainer(hf, groups, cfg, device, compute_dtype=dtype)
+
+
+def _train_point(spec, optimizer_steps: int, n: int, prompt: int, response: int, step_s: float) -> dict:
+    length = prompt + response
+    per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
+    return {
+        "model": spec.name,
+        "params": spec.params,
+        "optimizer_params": spec.optimizer_params,
+        "optimizer_steps": optimizer_steps,
+        "trajectories": n,
+        "tokens": n * length,
+        "flops": cm.Workload().train_passes * n * per_seq,  # forward + backward + the proximal recompute
+        "step_s": step_s,
+    }
+
+
+def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, timed, budget_s: float) -> list[dict]:
+    """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories."""
+    import tempfile
+
+    import torch.distributed as dist
+
     hf, spec = hf_and_spec  # fp32 master weights; bf16 autocast on a GPU, as the runtime trains
-    rng = torch.Generator().manual_seed(1)
-
-    def trajectories(n: int, prompt: int, response: int) -> list:
-        out = []
-        for i in range(n):
-            ids = torch.randint(0, spec.vocab, (prompt + response,), generator=rng).tolist()
-            out.append(
-                SimpleNamespace(
-                    prompt_id=i,
-                    sample_idx=0,
-                    prompt_ids=ids[:prompt],
-                    response_ids=ids[prompt:],
-                    behav_logprobs=(-9.0 + 0.1 * torch.randn(response, generator=rng)).tolist(),
-                    versions=[0] * response,
-                    reward=0.0,
-                    advantage=float(torch.randn((), generator=rng)),
-                )
-            )
-        return out
-
     with tempfile.TemporaryDirectory() as tmp:
         own = not dist.is_initialized()
         if own:
             backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=0, world_size=1)
         try:
-            groups = build_groups(make_train_plan(1, 1, 1, [(0, spec.layers)]))
-            cfg = TrainConfig(lr=1e-6, ppo_minibatches=2, micro_batch_tokens=micro_batch_tokens, min_microbatches=1)
-            trainer = Trainer(hf, groups, cfg, device, compute_dtype=dtype)
+            trainer = _profiled_trainer(hf, spec, 1, micro_batch_tokens, device, dtype)
             rows = []
-            for n, prompt, response in points:
-                batch = trajectories(n, prompt, response)
+            for seed, (n, prompt, response) in enumerate(points):
+                batch = _random_trajectories(spec.vocab, n, prompt, response, seed)
                 t = timed(lambda batch=batch, trainer=trainer: trainer.train_step(batch), budget_s / len(points))
-                length = prompt + response
-                per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
-                flops = cm.Workload().train_passes * n * per_seq  # forward + backward + the proximal recompute
-                rows.append(
-                    {
-                        "model": spec.name,
-                        "params": spec.params,
-                        "optimizer_steps": cfg.ppo_minibatches,
-                        "trajectories": n,
-                        "tokens": n * length,
-                        "flops": flops,
-                        "step_s": t,
-                    }
-                )
+                rows.append(_train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, t))
             del trainer
         finally:
             if own:
                 dist.destroy_process_group()
     return rows
+
+
+TRAIN_TP = 2  # the tensor-parallel degree of the profile's TP steps (two processes of this machine)
+
+
+def _tp_step_loop(
+    rank: int, init: str, dims: tuple, points: list, micro_batch_tokens: int, budget_s: float
+) -> tuple[list[float], cm.ModelSpec]:
+    """Both sides of the TP steps (rank 0 here, rank 1 a spawned process): the same random Llama and batches on each,
+    Trainer.train_step at tp TRAIN_TP; per point one warm-up, then steps until rank 0's share of the budget is spent
+    (at least 3, at most 20). A step's seconds are the larger of the two ranks' CPU seconds: the ranks wait for each
+    other at every all-reduce, so the slower one sets the step, and CPU time leaves out other processes' time slices,
+    as the rest of a CPU profile does. Rank 0 returns the medians and the model's cost-model spec."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init, rank=rank, world_size=TRAIN_TP, timeout=timedelta(seconds=LINK_TIMEOUT_S)
+    )
+    medians = []
+    try:
+        hf, spec = _random_llama(*dims)
+        trainer = _profiled_trainer(hf, spec, TRAIN_TP, micro_batch_tokens, torch.device("cpu"), torch.float32)
+        go, took = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
+        for seed, point in points:
+            batch = _random_trajectories(spec.vocab, *point, seed=seed)
+            times: list[float] = []
+            until = time.perf_counter() + budget_s / len(points)
+            while True:
+                if rank == 0:
+                    go.fill_(float(len(times) < 4 or (time.perf_counter() < until and len(times) < 21)))
+                dist.broadcast(go, src=0)
+                if not go.item():
+                    break
+                t0 = time.process_time()
+                trainer.train_step(batch)
+                took.fill_(time.process_time() - t0)
+                dist.all_reduce(took, op=dist.ReduceOp.MAX)
+                times.append(float(took.item()))
+            medians.append(_median(times[1:]))
+        del trainer
+    finally:
+        dist.destroy_process_group()
+    return medians, spec
+
+
+def _tp_peer(init: str, dims: tuple, points: list, micro_batch_tokens: int) -> None:
+    _tp_step_loop(1, init, dims, points, micro_batch_tokens, 0.0)
+
+
+def _profile_train_tp(dims: tuple, points: list, micro_batch_tokens: int, intra_gbps: float, budget_s: float) -> dict:
+    """(CPU) train points again as TRAIN_TP-way tensor-parallel steps over two processes of this machine: what a TP
+    rank does that the FLOPs / tp of the cost model leave out (cost_model.tp_unsplit_fit: per token and per optimizer
+    step, hence two sizes), the all-reduces priced over `intra_gbps`, the profiled type's link inside a machine.
+    `points` are (seed, (trajectories, prompt, response)). Returns {"tp", "layers", "hidden", "passes", "bytes",
+    "micro_batch_tokens", "optimizer_steps", "intra_gbps", "points": [{"trajectories", "tokens", "flops", "step_s"}]}."""
+    import tempfile
+
+    import torch.distributed as dist
+    import torch.multiprocessing as mp
+
+    if dist.is_initialized():  # a process group exists (a test's): not measured here
+        return {}
+    with tempfile.TemporaryDirectory() as tmp:
+        init = f"file://{tmp}/tp_init"
+        peer = mp.get_context("spawn").Process(
+            target=_tp_peer, args=(init, dims, points, micro_batch_tokens), daemon=True
+        )
+        peer.start()
+        try:
+            medians, spec = _tp_step_loop(0, init, dims, points, micro_batch_tokens, budget_s)
+        finally:
+            peer.join(timeout=60)
+            if peer.is_alive():
+                peer.kill()
+    rows = []
+    for (_, (n, prompt, response)), step_s in zip(points, medians):
+        row = _train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, step_s)
+        rows.append({k: row[k] for k in ("trajectories", "tokens", "flops", "step_s")})
+    return {
+        "tp": TRAIN_TP,
+        "layers": spec.layers,
+        "hidden": spec.hidden,
+        "passes": cm.Workload().train_passes,
+        "bytes": 4,  # fp32 on CPU
+        "micro_batch_tokens": micro_batch_tokens,
+        "optimizer_steps": PROFILE_MINIBATCHES,
+        "intra_gbps": intra_gbps,
+        "points": rows,
+    }
 
 
 LINK_TIMEOUT_S = 300  # the link measurement's peer starts, or the profile stops with gloo's error, within this

@@ -237,6 +237,18 @@ def test_a_machine_profile_applies_to_every_emulated_type_and_a_type_profile_to_
     own = cm.DeviceProfile("fl", cm.TypeEfficiency(0.3, 0.5, 0.6, 0.001), 0.02, 0.005)
     eff2 = cm.apply_profile(eff, c, own, "fl.yaml")
     assert eff2.of("fl").mfu_train == pytest.approx(0.3) and eff2.of("bw").mfu_train == pytest.approx(0.8)
+    # a type's own profile measured under its throttle: its generator constants replace the machine's, its training
+    # (unthrottled, another reading of the machine) does not -- one training measurement for every type
+    machine_tp = cm.DeviceProfile("host", cm.TypeEfficiency(0.4, 0.6, 0.7, 0.002, 0.01, tp_unsplit=40.0), 0.04, 0.01)
+    eff3 = cm.apply_profile(cm.Efficiency(), c, machine_tp, "m.yaml")
+    typed = cm.DeviceProfile("fl", cm.TypeEfficiency(0.3, 0.5, 0.35, 0.004, 0.03, tp_unsplit=9.0), 0.02, 0.005,
+                             emulated=True)  # fmt: skip
+    te = cm.apply_profile(eff3, c, typed, "fl.yaml").of("fl")
+    assert (te.mfu_infer, te.hbm_eff, te.decode_overhead_s) == (0.5, 0.35, 0.004)
+    assert te.mfu_train == eff3.of("fl").mfu_train and te.train_overhead_s == 0.01
+    assert te.tp_unsplit / te.hbm_eff == pytest.approx(40.0 / eff3.of("fl").hbm_eff)  # the same seconds
+    alone = cm.apply_profile(cm.Efficiency(), c, typed, "fl.yaml").of("fl")
+    assert alone.mfu_train == 0.3 and alone.tp_unsplit == 9.0  # no machine profile before it: its own
     plain = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml")
     with pytest.raises(cm.SpecError, match="not a GPU type of cluster"):
         cm.apply_profile(cm.Efficiency(), plain, machine, "m.yaml")

@@ -82,6 +82,89 @@ def test_finish_profile_turns_synthetic_points_into_the_type_efficiency():
         cm.finish_profile(out, cm.GPUType("cpu", 2, 0.002, 0.005, 0.05, 2.0), log=lambda *_: None)
 
 
+TINY = cm.load_model_spec(ROOT / "exp/tiny-model")
+
+
+def tp_workload(prompts: int) -> cm.Workload:
+    """A step of `prompts` x 8 sequences of 32 + 32 tokens in 2 minibatches of 512-token micro-batches, 4 passes."""
+    return cm.Workload(prompts_per_step=prompts, samples_per_prompt=8, prompt_len=32, gen_samples=[32.0],
+                       precision="fp32", ppo_minibatches=2, microbatch_tokens=512, train_passes=4.0)  # fmt: skip
+
+
+def step_flops(wl: cm.Workload) -> float:
+    return (
+        wl.train_passes
+        * wl.tokens_per_step
+        * (TINY.layers * TINY.layer_flops_per_token(wl.decode_context) + 2 * TINY.head_params)
+    )
+
+
+def tp_profile_points(tp_fractions: list[float]) -> dict:
+    """Synthetic profile points of the tiny model whose TP-2 steps, one per workload tp_workload(2), (8), ..., take
+    these fractions of the tp-1 line's step of the same FLOPs."""
+    rate, intercept, bw = 8e9, 0.2, 3.5e9
+    train = [{"flops": f, "step_s": f / rate + intercept, "optimizer_params": TINY.optimizer_params,
+              "optimizer_steps": 2}
+             for f in (1e9, 5e9, 2e10)]  # fmt: skip
+    points = []
+    for k, frac in enumerate(tp_fractions):
+        wl = tp_workload(2 * 4**k)
+        flops = step_flops(wl)
+        points.append({"trajectories": wl.batch, "tokens": int(wl.tokens_per_step), "flops": flops,
+                       "step_s": frac * (flops / rate + intercept)})  # fmt: skip
+    return {
+        "device": "synthetic",
+        "gemm_tflops": 0.015,
+        "copy_tbps": 0.004,
+        "decode": [{"bytes": b, "flops": 1e6, "step_s": b / bw + 0.001} for b in (1.2e7, 3e7, 9e7)],
+        "prefill": [{"flops": f, "step_s": f / 12e9 + 0.004} for f in (4e8, 1.6e9, 3.3e9)],
+        "train": train,
+        "train_tp": {
+            "tp": 2,
+            "layers": TINY.layers,
+            "hidden": TINY.hidden,
+            "passes": 4.0,
+            "bytes": 4,
+            "micro_batch_tokens": 512,
+            "optimizer_steps": 2,
+            "intra_gbps": CPU.intra_gbps,
+            "points": points,
+        },  # fmt: skip
+    }
+
+
+def test_tp_steps_give_tp_unsplit_and_tp_overhead_and_the_cost_model_gives_the_steps_back():
+    """finish_profile's tp_unsplit and tp_overhead_s are what make train_step_seconds at tp 2 equal the measured TP
+    steps, on the workloads those steps were; at tp 1 neither term acts; TP steps no slower than the model without
+    them give 0; a profile without TP steps has neither."""
+    stage = cm.StageSpec("cpu", TINY.layers, (0,), CPU.intra_gbps, 2.0, 0.0)
+
+    def priced(out: dict, wl: cm.Workload, tp: int) -> float:
+        prof = cm.profile_from_dict({**out, "gpu_type": "cpu"}, "synthetic")
+        eff = cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, "synthetic")
+        return cm.train_step_seconds(TINY, [stage], 1, tp, {"cpu": CPU}, wl, eff)
+
+    out = tp_profile_points([0.8, 0.7])  # a TP rank at 80% / 70% of one rank's step: much left whole
+    cm.finish_profile(out, CPU, log=lambda *_: None)
+    e = out["efficiency"]
+    assert e["tp_unsplit"] > 0 and e["tp_overhead_s"] > 0 and out["measured"]["train_tp_unsplit"] == e["tp_unsplit"]
+    for k, p in enumerate(out["train_tp"]["points"]):
+        wl = tp_workload(2 * 4**k)
+        assert priced(out, wl, 2) == pytest.approx(p["step_s"], rel=1e-9)
+        assert priced(out, wl, 1) == pytest.approx(p["step_s"] / (0.8, 0.7)[k], rel=1e-9)  # the tp-1 line
+    fast = tp_profile_points([0.3, 0.3])  # below half a step: nothing left whole to charge
+    cm.finish_profile(fast, CPU, log=lambda *_: None)
+    assert fast["efficiency"]["tp_unsplit"] == 0.0 and fast["efficiency"]["tp_overhead_s"] == 0.0
+    one = tp_profile_points([0.8])  # one TP step: all of it per token
+    cm.finish_profile(one, CPU, log=lambda *_: None)
+    assert one["efficiency"]["tp_overhead_s"] == 0.0
+    assert priced(one, tp_workload(2), 2) == pytest.approx(one["train_tp"]["points"][0]["step_s"], rel=1e-9)
+    without = tp_profile_points([])
+    del without["train_tp"]
+    cm.finish_profile(without, CPU, log=lambda *_: None)
+    assert "tp_unsplit" not in without["efficiency"] and "tp_overhead_s" not in without["efficiency"]
+
+
 def test_profile_yaml_round_trip(tmp_path):
     doc = profile_doc()
     prof = cm.load_profile(write(tmp_path, doc))
@@ -106,6 +189,8 @@ def test_profile_yaml_round_trip(tmp_path):
         ({"efficiency": {"decode_overhead_s": -0.001}}, "efficiency.decode_overhead_s = -0.001 s < 0"),
         ({"efficiency": {"mfu_infer": None}}, "missing 'efficiency.mfu_infer'"),
         ({"efficiency": {"mfu_infer": "fast"}}, "efficiency.mfu_infer must be a number"),
+        ({"efficiency": {"tp_unsplit": -1.0}}, "efficiency.tp_unsplit = -1 is not physically plausible"),
+        ({"efficiency": {"tp_unsplit": 5e3}}, "efficiency.tp_unsplit = 5000 is not physically plausible"),
         ({"gpu_type": None}, "missing 'gpu_type'"),
         ({"nominal": None}, "missing 'nominal'"),
         ({"gpu_type": "H100"}, "gpu_type 'H100' is not a GPU type of cluster cpu"),
@@ -209,6 +294,9 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     assert prof.gpu_type == "cpu" and doc["device"] and doc["dtype"] == "float32"
     assert prof.tflops == doc["measured"]["gemm_tflops"] and prof.hbm_tbps == doc["measured"]["copy_tbps"]
     assert doc["points"]["decode"] and doc["points"]["prefill"] and doc["points"]["train"]
+    tp_steps = doc["points"]["train_tp"]  # real 2-process TP steps
+    assert tp_steps["tp"] == 2 and len(tp_steps["points"]) == 2 and all(p["step_s"] > 0 for p in tp_steps["points"])
+    assert prof.efficiency.tp_unsplit == doc["efficiency"]["tp_unsplit"] >= 0 and prof.efficiency.tp_overhead_s >= 0
     assert doc["seconds"] < 120
 
 
