@@ -278,6 +278,7 @@ class RolloutWorker:
         self.outbox = TrajectorySender(head, cfg.dist.timeout_s)  # sent groups, kept until the head fetches them
         self.t_start = time.monotonic()
         self.idle_s = 0.0
+        self.generate_s = 0.0
         self.generated_tokens = 0
         self.heartbeat_s = min(5.0, cfg.dist.rollout_timeout_s / 4)
         self.last_sent = time.monotonic()
@@ -433,8 +434,13 @@ class RolloutWorker:
 
     def step(self, gen: Generator) -> list:
         """One generator step; on an emulated device type its prefill part is padded by the compute fraction and
-        the rest (decode, memory-bound) by the bandwidth fraction."""
-        return self.throttle.generator_step(gen)
+        the rest (decode, memory-bound) by the bandwidth fraction. Its wall time, padding included, adds to
+        generate_s: the rest of the loop's busy time (messages, scoring, sending groups) is what is left of
+        elapsed_s - idle_s."""
+        t0 = time.perf_counter()
+        outs = self.throttle.generator_step(gen)
+        self.generate_s += time.perf_counter() - t0
+        return outs
 
     def counters(self) -> dict:
         # reward_s: seconds the loop was blocked on scoring (inline fast path, waits for scores); reward_service_s:
@@ -442,6 +448,7 @@ class RolloutWorker:
         return {
             "elapsed_s": time.monotonic() - self.t_start,
             "idle_s": self.idle_s,
+            "generate_s": self.generate_s,
             "reward_s": self.scorer.blocked_s if self.scorer else 0.0,
             "reward_service_s": self.scorer.pool.reward_s if self.scorer else 0.0,
             "generated_tokens": self.generated_tokens,

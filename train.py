@@ -836,7 +836,8 @@ class StepMetrics:
             "generated_tokens_per_s": (generated - self.generated_tokens) / step_s,
             "rollout_idle_frac": pool.idle_fraction(),
             "trainer_idle_frac": self.idle_s / max(now - self.t_start, 1e-9),
-            "reward_s": pool.total("reward_s"),
+            "reward_s": pool.total("reward_s"),  # counters: seconds since the start, summed over rollout replicas
+            "rollout_generate_s": pool.total("generate_s"),  # in generator steps (padding included)
             "rollout_prefill_s": pool.total("prefill_s"),
             "rollout_prefill_tokens": pool.total("prefill_tokens"),
             "rollout_throttle_s": pool.total("throttle_s"),  # sleeps of emulated device types (0 otherwise)

@@ -170,6 +170,8 @@ def test_an_emulated_run_says_so_in_every_step_line(tmp_path, tiny_model_dir):
     steps = [json.loads(x) for x in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines() if '"loss"' in x]
     assert len(steps) == 2 and all(m["emulated"] == ["slow"] for m in steps)
     assert steps[-1]["rollout_throttle_s"] > 0
+    # the generator steps' wall time holds their padding and fits in the rollout ranks' time (2 ranks)
+    assert steps[-1]["rollout_throttle_s"] < steps[-1]["rollout_generate_s"] < 2 * steps[-1]["elapsed_s"]
 
 
 # -- the planner prices an emulated type at its fractions (cost_model.Cluster.speed) -----------------------------
