@@ -136,8 +136,9 @@ def test_a_generator_step_pads_prefill_by_compute_and_the_rest_by_bandwidth():
             return ["out"]
 
     worker = RolloutWorker.__new__(RolloutWorker)
-    worker.throttle = Throttle(Emulation(compute=0.5, bandwidth=0.25))
+    worker.throttle, worker.generate_s = Throttle(Emulation(compute=0.5, bandwidth=0.25)), 0.0
     assert worker.step(Gen()) == ["out"]
+    assert worker.generate_s == pytest.approx(0.16, rel=0.15)  # the step's wall time, padding included
     assert worker.throttle.slept_s["compute"] == pytest.approx(0.02, rel=0.15)  # ~0.02 * (1/0.5 - 1)
     assert worker.throttle.slept_s["bandwidth"] == pytest.approx(0.09, rel=0.15)  # ~0.03 * (1/0.25 - 1)
 
