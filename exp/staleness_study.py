@@ -13,7 +13,7 @@ Each run is `bash exp/cpu_demo.sh` with the overrides below (and --extra), its o
 Where staleness comes from. In the plain CPU demo the rollout ranks generate only a little ahead of the trainer
 (token staleness <= 2 even at eta = 8), so eta would not matter. The study therefore runs on
 exp/clusters/cpu_slow_compute.yaml (--cluster): the same 4 processes, with compute -- training and prefill --
-emulated at a quarter of this machine's speed (emulation.py) and decode at full speed, so generation outpaces
+emulated at half this machine's speed (emulation.py) and decode at full speed, so generation outpaces
 training and the buffer, not the generator, bounds the staleness. Every run trains the same number of steps
 (--steps; no wall-clock limit), so cells compare at equal updates whatever else the shared machine runs. Per run the summary keeps the final and best
 accuracy, the mean clip fraction, the importance weights' mean and max, and the token staleness; per cell the
@@ -100,7 +100,7 @@ def main() -> None:
         help="cluster YAML the 4 ranks are planned on (dp 2 trainers, 2 rollout ranks); 'none': the demo's own map",
     )
     ap.add_argument("--lr", type=float, default=1e-4)
-    ap.add_argument("--minibatches", type=int, default=4, help="PPO minibatches per step (> 1: the clip acts)")
+    ap.add_argument("--minibatches", type=int, default=2, help="PPO minibatches per step (> 1: the clip acts)")
     ap.add_argument("--parallel", type=int, default=2, help="runs at once")
     ap.add_argument(
         "--max-queued-groups",
