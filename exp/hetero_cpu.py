@@ -208,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=None, help="run directory (default runs/hetero_cpu-<time>)")
     ap.add_argument("--steps", type=int, default=12, help="RL steps per run")
     ap.add_argument("--skip", type=int, default=4, help="warm-up steps of each run left out of the medians")
-    ap.add_argument("--repeats", type=int, default=2, help="rounds over the five plans")
+    ap.add_argument("--repeats", type=int, default=3, help="rounds over the five plans")
     ap.add_argument("--gen-mean", type=float, default=25.0, help="the response length the plans are made for")
     ap.add_argument(
         "--max-batch",
