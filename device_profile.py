@@ -74,6 +74,10 @@ PROFILE_SHAPES = {
         "work_model": 1,  # the model prefill runs on (an index into models)
         "train_model": 0,  # the model training runs on: the tiny one (see above)
         "link_bytes": [2**20, 4 * 2**20, 16 * 2**20, 64 * 2**20],  # up to the runtime's 64 MiB bucket
+        # a co-load peer (--co-load): a rollout replica of the CPU runs, exp/hetero_cpu.py's -- the tiny model
+        # (models[co_load_model]), 8 slots, prompts of 64 and responses of 32 tokens, refilled as they finish
+        "co_load_model": 0,
+        "co_load_batch": (8, 64, 32),
         # a smoke run (--seconds < 30): two small models, fewer points
         "smoke": {
             "gemm": [(1024, 256, 680), (1024, 512, 1024)],
@@ -134,7 +138,9 @@ def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
     return LlamaForCausalLM(cfg), cm.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
 
 
-def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type", throttle=None) -> dict:
+def profile_device(
+    gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type", throttle=None, co_load: int = 0
+) -> dict:
     """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
     one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
     profile writes it as YAML). `gpu` is the cluster GPU type whose nominal tflops / hbm_tbps the fractions are of.
@@ -168,7 +174,11 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
     Training steps are one padded piece each in the runtime (one pause per step) and the link is padded by its wall
     time, exactly: neither is throttled here, the link and the TP step are not measured, and a planner given this
-    machine's profile first keeps its training constants for every type (cost_model.apply_profile)."""
+    machine's profile first keeps its training constants for every type (cost_model.apply_profile).
+    `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
+    rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
+    are busy beside each rank: they share its cores' caches and memory bandwidth, and a memory-bound step's CPU
+    time grows with them (exp/PLANNER.md, "Where the error is"). The profile records them (`co_load`)."""
     import time
 
     import torch
@@ -177,6 +187,8 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
 
     start = time.perf_counter()
     cuda = torch.cuda.is_available()
+    if co_load < 0 or (co_load and cuda):
+        raise cm.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
@@ -243,54 +255,71 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     steps = shapes["decode_steps"]
     decode, prefill = [], []
     n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
-    for mi, dims in enumerate(models):
-        hf, spec = _random_llama(*dims)
-        hf = hf.to(device=device, dtype=dtype)
-        every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
-        gen = Generator(
-            hf,
-            max_batch_size=max(b for b, _ in every),
-            max_seq_len=max(c for _, c in every) + steps + 8,
-        )
-
-        def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
-            add(gen, spec.vocab, b, ctx, steps + 3)
-            step(gen)  # prefill and the first token
-            sync()
-            t0 = clock()
-            for _ in range(steps):
-                step(gen)
-            sync()
-            t = (clock() - t0) / steps
-            drain(gen)
-            return t
-
-        def run_prefill(b: int, length: int, gen=gen, spec=spec) -> None:
-            add(gen, spec.vocab, b, length, 1)
-            drain(gen)
-
-        for b, ctx in decode_pts + (compute_pts if mi < compute_models else []):
-            t = timed(lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / n_decode)
-            context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
-            decode.append(
-                {
-                    "model": spec.name,
-                    "params": spec.params,
-                    "batch": b,
-                    "context": context,
-                    "bytes": cm.decode_bytes_per_step(spec, b, context, nbytes),
-                    "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
-                    "step_s": t,
-                }
+    peers = (
+        _co_load(co_load, models[shapes["co_load_model"]], shapes["co_load_batch"], throttle, log) if co_load else None
+    )
+    try:
+        for mi, dims in enumerate(models):
+            hf, spec = _random_llama(*dims)
+            hf = hf.to(device=device, dtype=dtype)
+            every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
+            gen = Generator(
+                hf,
+                max_batch_size=max(b for b, _ in every),
+                max_seq_len=max(c for _, c in every) + steps + 8,
             )
-        if mi == shapes["work_model"]:
-            for b, length in prefill_pts:
-                t = timed(
-                    lambda b=b, length=length: run_prefill(b, length), seconds * share["prefill"] / len(prefill_pts)
+
+            def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
+                add(gen, spec.vocab, b, ctx, steps + 3)
+                step(gen)  # prefill and the first token
+                sync()
+                t0 = clock()
+                for _ in range(steps):
+                    step(gen)
+                sync()
+                t = (clock() - t0) / steps
+                drain(gen)
+                return t
+
+            def run_prefill(b: int, length: int, gen=gen, spec=spec) -> None:
+                add(gen, spec.vocab, b, length, 1)
+                drain(gen)
+
+            for b, ctx in decode_pts + (compute_pts if mi < compute_models else []):
+                t = timed(lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / n_decode)
+                context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
+                decode.append(
+                    {
+                        "model": spec.name,
+                        "params": spec.params,
+                        "batch": b,
+                        "context": context,
+                        "bytes": cm.decode_bytes_per_step(spec, b, context, nbytes),
+                        "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
+                        "step_s": t,
+                    }
                 )
-                flops = b * (length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
-                prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
-        del gen, hf
+            if mi == shapes["work_model"]:
+                for b, length in prefill_pts:
+                    t = timed(
+                        lambda b=b, length=length: run_prefill(b, length), seconds * share["prefill"] / len(prefill_pts)
+                    )
+                    flops = b * (
+                        length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params
+                    )
+                    prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
+            del gen, hf
+    finally:
+        peer_steps = peers.close() if peers is not None else []
+    if co_load:
+        batch, prompt, response = shapes["co_load_batch"]
+        out["co_load"] = {
+            "peers": co_load,
+            "model": list(models[shapes["co_load_model"]]),
+            **{"batch": batch, "prompt": prompt, "response": response},
+            "peer_steps": peer_steps,  # Generator steps each peer made while the points were measured
+        }
+        log(f"co-load: the peers made {peer_steps} Generator steps meanwhile")
     # (e) a training step of parallel.trainer.Trainer on one rank
     train_dims = models[shapes.get("train_model", shapes["work_model"])]
     train = _profile_train(
@@ -331,6 +360,108 @@ def profile_device(gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: 
     if nominal == "measured":
         gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
     return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
+
+
+CO_LOAD_START_S = 300  # every co-load peer has built its model and started decoding within this
+
+
+class _CoLoad:
+    """Running co-load peers (_co_load); close() stops them and returns the Generator steps each one made."""
+
+    def __init__(self, procs: list, stop, done) -> None:
+        self.procs, self.stop, self.done = procs, stop, done
+
+    def close(self) -> list[int]:
+        """Stop the peers; their step counts in order. A peer that died before it reported makes the co-load
+        partial, and the points measured beside it wrong: that is an error naming it, not a quieter profile."""
+        import queue
+        import time
+
+        self.stop.set()
+        steps: dict[int, int] = {}
+        until = time.monotonic() + 60
+        while len(steps) < len(self.procs) and time.monotonic() < until:
+            try:
+                seed, n = self.done.get(timeout=0.5)
+                steps[seed] = n
+            except queue.Empty:
+                if all(p.exitcode is not None for p in self.procs) and self.done.empty():
+                    break
+        lost = [i for i in range(len(self.procs)) if i not in steps]
+        self.kill()
+        if lost:
+            raise RuntimeError(f"co-load: peers {lost} died while the points were measured (their load is missing from them)")
+        return [steps[i] for i in sorted(steps)]
+
+    def kill(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.join(timeout=30)
+        self.procs = []
+
+
+def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, done) -> None:
+    """One co-load peer (a spawned process, one thread): a rollout replica's decode loop -- `shape` (batch, prompt,
+    response) requests on a random Llama of `dims`, refilled whenever all have finished -- every Generator step
+    through `throttle` (None: back to back), until `stop` is set; then it reports its steps on `done`."""
+    import torch
+
+    from rollout import Generator, SamplingParams
+
+    torch.set_num_threads(1)
+    batch, prompt, response = shape
+    hf, spec = _random_llama(*dims)
+    gen = Generator(hf, max_batch_size=batch, max_seq_len=prompt + response + 8)
+    rng = torch.Generator().manual_seed(seed)
+    next_id = steps = 0
+    ready.put(seed)
+    while not stop.is_set():
+        if not gen.num_unfinished():
+            for p in torch.randint(0, spec.vocab, (batch, prompt), generator=rng).tolist():
+                next_id += 1
+                gen.add_request(next_id, p, SamplingParams(max_new_tokens=response, seed=next_id))
+        gen.step() if throttle is None else throttle.generator_step(gen)
+        steps += 1
+    done.put((seed, steps))
+
+
+def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log) -> _CoLoad:
+    """Start `peers` co-load peers (_co_load_peer) and wait until every one decodes; a peer that fails to start
+    stops the profile with one error naming it, the others stopped."""
+    import queue
+    import time
+
+    import torch.multiprocessing as mp
+
+    ctx = mp.get_context("spawn")
+    ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()
+    procs = [
+        ctx.Process(target=_co_load_peer, args=(dims, shape, throttle, i, ready, stop, done), daemon=True)
+        for i in range(peers)
+    ]
+    load = _CoLoad(procs, stop, done)
+    for p in procs:
+        p.start()
+    started, until = 0, time.monotonic() + CO_LOAD_START_S
+    while started < peers:
+        dead = [i for i, p in enumerate(procs) if p.exitcode is not None]
+        if dead or time.monotonic() > until:
+            load.kill()
+            why = (
+                f"peers {dead} exited"
+                if dead
+                else f"{peers - started} did not start decoding within {CO_LOAD_START_S} s"
+            )
+            raise RuntimeError(f"co-load of {peers} peer processes: {why} (each builds a random Llama and decodes)")
+        try:
+            ready.get(timeout=1.0)
+            started += 1
+        except queue.Empty:
+            pass
+    log(
+        f"co-load: {peers} peer{'s' if peers > 1 else ''} decoding {shape[0]} rows beside the decode and prefill points"
+    )
+    return load
 
 
 def _random_trajectories(vocab: int, n: int, prompt: int, response: int, seed: int) -> list:

@@ -1521,6 +1521,14 @@ def profile_main(argv: list[str]) -> int:
         "(for a device with no trusted peak, e.g. a CPU core; the planner rescales them to the cluster's numbers)",
     )
     ap.add_argument(
+        "--co-load",
+        type=int,
+        default=0,
+        metavar="N",
+        help="(CPU) measure decode and prefill beside N peer processes, each a rollout replica decoding under the "
+        "type's throttle: the other ranks a run puts on this host (a rank's steps cost more CPU beside them)",
+    )
+    ap.add_argument(
         "--refit",
         default=None,
         metavar="PROFILE",
@@ -1538,6 +1546,8 @@ def profile_main(argv: list[str]) -> int:
         )
     if a.seconds <= 0:
         raise PlanError(f"--seconds must be > 0, got {a.seconds}")
+    if a.co_load < 0:
+        raise PlanError(f"--co-load must be >= 0 peer processes, got {a.co_load}")
     out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
     from device_profile import profile_device
     from emulation import Throttle
@@ -1547,12 +1557,12 @@ def profile_main(argv: list[str]) -> int:
     throttle = None if emulation is None else Throttle(emulation, gpu_type)
     if throttle is not None:
         print(f"profiling emulated type {gpu_type} under its throttle ({asdict(emulation)})")
-    prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal, throttle=throttle)
+    prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal, throttle=throttle, co_load=a.co_load)
     doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
     if throttle is not None:
         doc["emulate"] = asdict(emulation)
         doc["throttle_slept_s"] = dict(throttle.slept_s)
-    for key in ("efficiency", "sync", "measured", "nominal", "fractions", "dtype", "seconds"):
+    for key in ("efficiency", "sync", "measured", "nominal", "fractions", "dtype", "seconds", "co_load"):
         if key in prof:
             doc[key] = prof.pop(key)
     doc["points"] = prof  # the raw measurements the constants were fitted to

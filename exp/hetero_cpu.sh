@@ -11,8 +11,10 @@
 # <OUT>/profile.yaml and then each emulated type under its own throttle into <OUT>/profile_<type>.yaml (~2-3 min
 # each), right before the runs they predict: a shared host's rates drift (two profiles of this VM an hour apart
 # differ up to 2x), a profile predicts only the machine it measured, and an emulated rank's Generator steps cost
-# more CPU after each of its throttle's pauses than back to back (exp/bench_throttle.py). Each type is priced at its
-# fractions of its own profile; with PROFILE, every type at its fractions of that one.
+# more CPU after each of its throttle's pauses than back to back (exp/bench_throttle.py). A type is profiled beside
+# CO_LOAD peer processes (default: the cluster's ranks less one), each a rollout replica decoding under the type's
+# throttle, as a run's other ranks are busy beside each of its ranks on this host (`schedule.py profile --co-load`).
+# Each type is priced at its fractions of its own profile; with PROFILE, every type at its fractions of that one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -37,9 +39,12 @@ if [[ -z "$PROFILE" ]]; then
   [[ -e "$OUT/profile.yaml" ]] \
     || "$PYTHON" schedule.py profile --cluster exp/clusters/cpu.yaml --gpu-type cpu --nominal measured --out "$OUT/profile.yaml"
   PROFILES+=(--profile "$OUT/profile.yaml")
+  ranks=$("$PYTHON" -c "import sys, yaml; print(sum(m['gpus'] * m.get('count', 1) for m in yaml.safe_load(open(sys.argv[1]))['machines']))" "$CLUSTER")
+  CO_LOAD="${CO_LOAD:-$((ranks - 1))}"
   for type in $("$PYTHON" -c "import sys, yaml; print(' '.join(yaml.safe_load(open(sys.argv[1]))['gpu_types']))" "$CLUSTER"); do
     [[ -e "$OUT/profile_$type.yaml" ]] \
-      || "$PYTHON" schedule.py profile --cluster "$CLUSTER" --gpu-type "$type" --nominal measured --out "$OUT/profile_$type.yaml"
+      || "$PYTHON" schedule.py profile --cluster "$CLUSTER" --gpu-type "$type" --nominal measured --co-load "$CO_LOAD" \
+        --out "$OUT/profile_$type.yaml"
     PROFILES+=(--profile "$OUT/profile_$type.yaml")
   done
 else

@@ -267,11 +267,11 @@ def test_planning_with_a_profile_uses_it(tmp_path):
     assert slow["predicted"]["rollout_s"] > base["predicted"]["rollout_s"]
 
 
-def run_profile(cluster, gpu_type: str, seconds: float, out: Path) -> subprocess.CompletedProcess:
+def run_profile(cluster, gpu_type: str, seconds: float, out: Path, *extra: str) -> subprocess.CompletedProcess:
     """`schedule.py profile --nominal measured` as a user runs it; asserts it exited 0."""
     r = subprocess.run(
         [sys.executable, "schedule.py", "profile", "--cluster", str(cluster), "--gpu-type", gpu_type]
-        + ["--seconds", str(seconds), "--nominal", "measured", "--out", str(out)],
+        + ["--seconds", str(seconds), "--nominal", "measured", "--out", str(out), *extra],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -301,15 +301,18 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
 
 
 def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
-    """`schedule.py profile --gpu-type h800ish` on the emulated cluster: the Generator's steps are padded by the type's
-    throttle (it slept), the profile records the fractions, and it prices that type only."""
+    """`schedule.py profile --gpu-type h800ish --co-load 1` on the emulated cluster: the Generator's steps are padded
+    by the type's throttle (it slept) beside a peer that decoded meanwhile, the profile records the fractions and the
+    co-load, and it prices that type only."""
     spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
     spec["gpu_types"]["h800ish"]["emulate"] = {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}  # mild: a short test
     cluster = write(tmp_path, spec, "hetero.yaml")
     out = tmp_path / "h800ish.yaml"
-    r = run_profile(cluster, "h800ish", 8, out)
-    assert "under its throttle" in r.stdout
+    r = run_profile(cluster, "h800ish", 8, out, "--co-load", "1")
+    assert "under its throttle" in r.stdout and "co-load: 1 peer decoding" in r.stdout
     doc = yaml.safe_load(out.read_text())
+    assert doc["co_load"]["peers"] == 1 and len(doc["co_load"]["peer_steps"]) == 1
+    assert doc["co_load"]["peer_steps"][0] > 0  # it decoded while the points were measured
     assert doc["emulate"] == {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}
     assert doc["throttle_slept_s"]["bandwidth"] > 0 and doc["throttle_slept_s"]["compute"] > 0
     assert "sync" not in doc  # the link is padded by its wall time, exactly: not measured under the throttle
@@ -320,6 +323,29 @@ def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tm
     assert set(eff.per_type) == {"h800ish"}  # not the other emulated type, as a machine profile would
     with pytest.raises(cm.SpecError, match="applies to that type only"):
         cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, str(out))
+
+
+def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error():
+    """device_profile._co_load: two peers decode (each reports its steps when stopped, more the longer they ran); a
+    peer that cannot build its model stops the start at once with one error naming it, and no peer is left."""
+    import time
+
+    import device_profile as dp
+
+    load = dp._co_load(2, dp.NULL_MODEL, (2, 8, 4), None, lambda *_: None)
+    time.sleep(1.0)
+    procs = list(load.procs)
+    steps = load.close()
+    assert len(steps) == 2 and all(n > 0 for n in steps), steps
+    assert all(not p.is_alive() for p in procs)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
+        dp._co_load(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
+    assert time.monotonic() - t0 < 120  # not the start timeout's 300 s
+
+
+def test_profile_rejects_a_negative_co_load():
+    assert sc.main(["profile", "--co-load", "-1"]) != 0
 
 
 # ----------------------------------------------------------------------------- the paper's H800 / H20 profiles
