@@ -390,7 +390,9 @@ class _CoLoad:
         lost = [i for i in range(len(self.procs)) if i not in steps]
         self.kill()
         if lost:
-            raise RuntimeError(f"co-load: peers {lost} died while the points were measured (their load is missing from them)")
+            raise RuntimeError(
+                f"co-load: peers {lost} died while the points were measured (their load is missing from them)"
+            )
         return [steps[i] for i in sorted(steps)]
 
     def kill(self) -> None:
