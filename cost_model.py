@@ -811,6 +811,8 @@ def train_step_seconds(
                                        token, layer and pass at the decode bandwidth)
                                      + PP send of mb*H bytes per pass to the next stage
     pipeline per minibatch = sum_k t_k + (m - 1) * max_k t_k      (1F1B bubble, m micro-batches per replica)
+    where a DP rank's share of a minibatch, S = tokens_per_step / (ppo_minibatches * dp), packs into
+    m = max(stages, ceil(S / microbatch_tokens)) micro-batches of mb = S / m tokens (the runtime's packing)
     + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)
     + the type's fixed seconds per optimizer step `train_overhead_s` (0 unless a device profile sets it: the
     intercept of its Trainer steps, less this optimizer term), and at tp > 1 its `tp_overhead_s`.
@@ -818,9 +820,11 @@ def train_step_seconds(
     and its fixed per-step work; the links are not scaled."""
     nbytes = wl.bytes
     context = wl.decode_context  # mean attention span of a token in a packed sequence
-    mb = wl.microbatch_tokens
-    tokens_per_minibatch = wl.tokens_per_step / wl.ppo_minibatches
-    m = max(1, math.ceil(tokens_per_minibatch / (dp * mb)))
+    # the runtime packs a DP rank's share of a minibatch into m micro-batches of at most microbatch_tokens, and into
+    # at least as many as there are stages (parallel/trainer.py): m of share / m tokens each, not m full ones
+    tokens_per_rank = wl.tokens_per_step / wl.ppo_minibatches / dp
+    m = max(len(stages), math.ceil(tokens_per_rank / wl.microbatch_tokens))
+    mb = tokens_per_rank / m
     passes = wl.train_passes
     times = []
     dp_sync = opt = fixed = 0.0

@@ -17,8 +17,7 @@ import cost_model as cm  # noqa: E402
 import schedule as sc  # noqa: E402
 
 
-@pytest.fixture(scope="module")
-def plan() -> dict:
+def _plan(max_batch: int) -> dict:
     cluster = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4)
     model = cm.model_from_config(
         {
@@ -37,13 +36,19 @@ def plan() -> dict:
         prompt_len=32,
         gen_samples=[32, 100, 300, 900],
         eta=2,
-        max_batch=8,
+        max_batch=max_batch,
         microbatch_tokens=2048,
     )
     return sc.plan(cluster, model, wl, cm.Efficiency(sync_latency_s=0.05))
 
 
-def test_async_beats_sync_and_staleness_respects_eta(plan):
+@pytest.fixture(scope="module")
+def plan() -> dict:
+    return _plan(max_batch=8)
+
+
+def test_async_beats_sync_and_staleness_respects_eta():
+    plan = _plan(max_batch=2)  # a rollout slow enough that overlapping it with training is worth something
     sync = sim.simulate(plan, steps=10, eta=0)
     asyn = sim.simulate(plan, steps=10, eta=2)
     assert sync["staleness"]["max"] == 0
@@ -103,7 +108,8 @@ def test_long_tail_workload_keeps_the_mean_and_rejects_bad_sigma(plan):
 @pytest.mark.parametrize("eta", [1, 2])
 def test_simulator_runs_the_buffers_rule(plan, eta):
     """Under long tails the buffer's own rules keep the bound; plain AReaL (completion order) does not."""
-    wl = sim.long_tail_workload(plan, 1.5)
+    # sigma 2: the plan's two replicas outrun its trainer, so a milder tail rarely leaves a sequence eta behind
+    wl = sim.long_tail_workload(plan, 2.0)
     worst = {
         order: max(
             sim.simulate(plan, wl, steps=12, eta=eta, seed=s, consume_order=order)["staleness"]["max"] for s in range(3)
