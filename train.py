@@ -807,12 +807,17 @@ class StepMetrics:
     def batch(trajs: list[Trajectory], version: int) -> dict:
         """Statistics of a batch trained at `version`."""
         lags = [version - v for t in trajs for v in t.versions]
+        lengths = sorted(len(t.response_ids) for t in trajs)
         return {
             "reward_mean": sum(t.reward for t in trajs) / len(trajs),
             "train_accuracy": sum(t.correct for t in trajs) / len(trajs),
             "staleness_max": max(lags, default=0),
             "staleness_mean": sum(lags) / max(len(lags), 1),
-            "response_len_mean": sum(len(t.response_ids) for t in trajs) / len(trajs),
+            "response_len_mean": sum(lengths) / len(lengths),
+            # the output-length distribution P the planner takes as input (its tail sets an eta = 0 step)
+            "response_len_p50": lengths[(len(lengths) - 1) // 2],
+            "response_len_p90": lengths[(9 * (len(lengths) - 1)) // 10],
+            "response_len_max": lengths[-1],
         }
 
     def step(

@@ -9,8 +9,9 @@ size, the profile applied (cost_model.apply_profile), and the workload of the ru
   the weight-sync dtype (precision), and train_passes as the trainer runs them: 3 (forward + backward) when it reads
   pi_prox off the training forward (ppo_minibatches 1, or no recompute), 4 with the recompute, +1 for a KL reference;
   the prompt length: the mean token count of the task's training prompts (the tokenizer of model.path; --prompt-len
-  to give it); the output length: the run's mean response length (metrics.jsonl's response_len_mean), a workload
-  input like the paper's profiled output distribution P, not a timing.
+  to give it); the output length: the run's mean response length (metrics.jsonl's response_len_mean) and, where the
+  run logged them, its steps' mean p50 / p90 / max (cm.Workload.from_quantiles), a workload input like the paper's
+  profiled output distribution P, not a timing.
 Nothing timed in the run goes into the prediction; its timings are only compared with it:
   step     the median step_s of the steady-state steps: the first --skip steps and every step after an evaluation
            (train.py waits for the eval there; the cost model has no evaluations) left out; the mean over all steps
@@ -85,11 +86,16 @@ def workload(cfg: dict, rows: list[dict], prompt_len: float) -> cm.Workload:
     steps = [r for r in rows if "step_s" in r]
     dtype = next((r["weight_sync_dtype"] for r in steps if "weight_sync_dtype" in r), "float32")
     gen_mean = statistics.fmean(r["response_len_mean"] for r in steps)
-    return cm.Workload(
+    # the length distribution from the steps' quantiles where the run logged them (an eta = 0 step waits for its
+    # longest sequence), else the mean alone
+    keys = {0.5: "response_len_p50", 0.9: "response_len_p90", 1.0: "response_len_max"}
+    quantiles = {q: statistics.fmean(r[k] for r in steps) for q, k in keys.items() if all(k in r for r in steps)}
+    return cm.Workload.from_quantiles(
+        gen_mean,
+        quantiles if len(quantiles) == len(keys) else None,
         prompts_per_step=int(cfg["train"]["prompts_per_step"]),
         samples_per_prompt=int(cfg["rollout"]["samples_per_prompt"]),
         prompt_len=prompt_len,
-        gen_samples=[gen_mean],
         eta=int(cfg["staleness"]["max_staleness"]),
         precision=PRECISION.get(dtype, "fp32"),
         ppo_minibatches=int(cfg["train"]["ppo_minibatches"]),

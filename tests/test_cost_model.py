@@ -188,6 +188,35 @@ def test_train_step_scales_with_efficiency_and_counts_the_bubble():
     assert step(0.4, 2) > step(0.4, 1) / 2 * (m + 1) / m * 0.95
 
 
+@pytest.mark.parametrize("dp, pp", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)])
+def test_train_step_charges_the_micro_batches_the_runtime_packs(dp, pp):
+    """A DP rank's share S of a minibatch runs as m = max(stages, ceil(S / microbatch_tokens)) micro-batches of
+    S / m tokens (parallel/trainer.py), so a step of tokens just past a multiple of the budget costs its FLOPs, not
+    an extra full micro-batch: the FLOP part is the same as one of exactly k full micro-batches per rank scaled by
+    S / (k mb)."""
+    from parallel.packing import dynamic_microbatches
+
+    model = cm.load_model_spec("qwen2.5-0.5b")
+    types = {"H800": H800}
+    eff = cm.Efficiency(per_type={"H800": cm.TypeEfficiency(mfu_train=0.4)})
+    stages = [cm.StageSpec("H800", l, (0,), 1e9, 1e9, 1e9 if k < pp - 1 else 0.0)
+              for k, l in enumerate(cm.layer_counts(model.layers, pp))]  # fmt: skip
+
+    def step(samples: int, gen: float) -> float:
+        wl = cm.Workload(prompts_per_step=samples, samples_per_prompt=1, prompt_len=0, gen_samples=[gen],
+                         ppo_minibatches=1, microbatch_tokens=4096, train_passes=3.0)  # fmt: skip
+        no_fixed = cm.train_step_seconds(model, stages, dp, 1, types, wl, eff)
+        zero = cm.Workload(**{**wl.to_dict(), "gen_samples": [1.0]})  # the fixed terms (and a token a sequence)
+        return no_fixed - cm.train_step_seconds(model, stages, dp, 1, types, zero, eff)
+
+    # 2 sequences per rank of 2100 tokens: the runtime packs them into 2 micro-batches (4200 > 4096)
+    share = [2100, 2100]
+    packs = dynamic_microbatches(share, 4096, pp)
+    assert len(packs) == max(pp, 2)
+    exact = step(2 * dp, 2048.0)  # 2 full-ish micro-batches of 4096 per rank
+    assert step(2 * dp, 2100.0) == pytest.approx(exact * 2100 / 2048, rel=0.02)
+
+
 @pytest.mark.parametrize("kind, tied", [("llama", False), ("qwen2", True)])
 def test_param_table_is_the_hf_state_dict(kind, tied):
     """What the planner prices is what HF holds: names, sizes and order (a tied model sends no lm_head)."""

@@ -225,6 +225,7 @@ def test_batch_statistics_count_token_staleness_against_the_trained_version():
     stats = StepMetrics.batch(trajs, version=3)
     assert stats["staleness_max"] == 2 and stats["staleness_mean"] == pytest.approx((0 + 1 + 1 + 2) / 4)
     assert stats["reward_mean"] == 0.5 and stats["train_accuracy"] == 0.5 and stats["response_len_mean"] == 2
+    assert (stats["response_len_p50"], stats["response_len_p90"], stats["response_len_max"]) == (1, 1, 3)
 
 
 def test_step_rates_count_only_the_tokens_generated_since_the_last_step():

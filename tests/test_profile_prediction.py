@@ -551,6 +551,25 @@ def test_check_script_compares_the_steady_steps_with_the_prediction(tmp_path, ca
     assert chk.main([str(far), *args]) == 1
 
 
+def test_the_workload_takes_the_runs_length_quantiles_where_it_logged_them(tmp_path):
+    """The output lengths are a workload input: the steps' p50 / p90 / max give the distribution (mean kept), whose
+    tail an eta = 0 step waits for; a run that did not log them is priced at its mean alone."""
+    import check_profile_prediction as chk
+
+    cfg, rows, _, _ = chk.read_run(fake_run(tmp_path, 1.0))
+    assert chk.workload(cfg, rows, 29.0).gen_samples == [25.5]
+    tailed = [{**r, "response_len_p50": 20, "response_len_p90": 40, "response_len_max": 64} if "step_s" in r else r
+              for r in rows]  # fmt: skip
+    wl = chk.workload(cfg, tailed, 29.0)
+    assert wl.gen_mean == pytest.approx(25.5) and 50 < wl.gen_max <= 64 * 25.5 / 20
+    at_eta0 = {**wl.to_dict(), "eta": 0}
+    slow_tail = cm.rollout_seconds(cm.load_model_spec(TINY), cm.Workload(**at_eta0), 1000.0, 1.0, 10.0)
+    no_tail = cm.rollout_seconds(cm.load_model_spec(TINY), cm.Workload(**{**at_eta0, "gen_samples": [25.5]}), 1000.0,
+                                 1.0, 10.0)  # fmt: skip
+    # the longest sequence, not the mean, sets the eta-0 rollout: its rounds at one sequence's rate (10 tokens/s)
+    assert slow_tail - no_tail == pytest.approx(wl.gen_max / 10.0 - max(128 * 25.5 / 1000.0, 25.5 / 10.0))
+
+
 def test_the_simulator_predicts_a_run_from_the_profile_alone(tmp_path):
     """exp/validate_simulator.py --profile: nothing timed in the run reaches the prediction (two runs of the same
     job at different speeds get the same one); the measured side is the steady steps (the one after an
