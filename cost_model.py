@@ -466,6 +466,10 @@ class TypeEfficiency:
     # cost (the gradient norm's all-reduce over the TP group, the replicated parameters' updates, each collective's
     # host work); measured at tp 2 by a device profile, 0 unless it did
     tp_overhead_s: float = 0.0
+    # fixed seconds per optimizer step a DP rank spends beyond what a DP-1 step's fixed part, 1/dp of its FLOPs, its
+    # optimizer term and the gradient all-reduce over the DP link cost (the all-reduce's host work on a CPU, the wait
+    # for the slower rank of the group); measured at dp 2 by a CPU device profile, 0 unless it did
+    dp_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_combine not in DECODE_COMBINES:
@@ -815,7 +819,8 @@ def train_step_seconds(
     m = max(stages, ceil(S / microbatch_tokens)) micro-batches of mb = S / m tokens (the runtime's packing)
     + DP gradient all-reduce 2(dp-1)/dp * fp32 stage grads / tp over the DP link, + optimizer (HBM-bound)
     + the type's fixed seconds per optimizer step `train_overhead_s` (0 unless a device profile sets it: the
-    intercept of its Trainer steps, less this optimizer term), and at tp > 1 its `tp_overhead_s`.
+    intercept of its Trainer steps, less this optimizer term), at tp > 1 its `tp_overhead_s` and at dp > 1 its
+    `dp_overhead_s`.
     A stage's `speed` (Cluster.speed: < 1 only for CPU processes sharing cores) scales its compute, its optimizer
     and its fixed per-step work; the links are not scaled."""
     nbytes = wl.bytes
@@ -847,7 +852,8 @@ def train_step_seconds(
         if dp > 1:
             dp_sync = max(dp_sync, LINK_LATENCY_S + 2 * (dp - 1) / dp * params * 4 / (st.dp_gbps * 1e9))
         opt = max(opt, params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff * st.speed))
-        fixed = max(fixed, (te.train_overhead_s + (te.tp_overhead_s if tp > 1 else 0.0)) / st.speed)
+        extra = (te.tp_overhead_s if tp > 1 else 0.0) + (te.dp_overhead_s if dp > 1 else 0.0)
+        fixed = max(fixed, (te.train_overhead_s + extra) / st.speed)
     pipeline = sum(times) + (m - 1) * max(times)
     return wl.ppo_minibatches * (pipeline + dp_sync + opt + fixed)
 
@@ -1034,7 +1040,7 @@ def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
 PROFILE_FRACTIONS = ("mfu_train", "mfu_infer", "hbm_eff")
 PROFILE_OPTIONAL_FRACTIONS = ("mfu_decode",)
 PROFILE_OVERHEADS = ("decode_overhead_s",)
-PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s", "tp_overhead_s")
+PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s", "tp_overhead_s", "dp_overhead_s")
 PROFILE_MAX_FRACTION = 1.2
 PROFILE_MAX_OVERHEAD_S = 10.0
 # tp_unsplit is a count of hidden-sized tensor passes per token, layer and training pass. A GPU's TP ranks replicate
@@ -1273,6 +1279,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
             decode_combine=te.decode_combine,
             tp_unsplit=te.tp_unsplit,
             tp_overhead_s=te.tp_overhead_s,
+            dp_overhead_s=te.dp_overhead_s,
         )
         if prof.emulated and name in eff.per_type:
             # a type profile's training is unthrottled, another reading of this machine's: the machine profile's
@@ -1285,6 +1292,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
                 train_overhead_s=prior.train_overhead_s,
                 tp_unsplit=prior.tp_unsplit * typed.hbm_eff / prior.hbm_eff,
                 tp_overhead_s=prior.tp_overhead_s,
+                dp_overhead_s=prior.dp_overhead_s,
             )
         out.per_type[name] = typed
     if prof.link_gbps is not None:
@@ -1296,7 +1304,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
 def tp_unsplit_fit(
     tp_steps: dict | None, train_rate: float, optimizer_s: float, train_overhead_s: float, bw: float
 ) -> tuple[float, float] | None:
-    """(tp_unsplit, tp_overhead_s) from a profile's TP steps (device_profile._profile_train_tp): what each step took
+    """(tp_unsplit, tp_overhead_s) from a profile's TP steps (device_profile._profile_train_parallel): what each step took
     beyond what train_step_seconds charges a TP rank without them -- the fitted FLOP rate's FLOPs / tp, the optimizer
     over 1/tp of the parameters, the fixed seconds per optimizer step, the all-reduces over the type's intra link --
     is e = optimizer_steps * tp_overhead_s + tp_unsplit * x, x = (1 - 1/tp) of the step's hidden-sized tensor
@@ -1323,6 +1331,34 @@ def tp_unsplit_fit(
     return unsplit, fixed / opt_steps
 
 
+def dp_overhead_fit(dp_steps: dict | None, gpu: GPUType, te: TypeEfficiency) -> float | None:
+    """dp_overhead_s from a profile's DP steps (device_profile._profile_train_parallel at dp > 1): the mean over the
+    steps of what each took beyond what train_step_seconds charges a DP rank for it with the profile's other
+    constants `te` (1/dp of the FLOPs, the optimizer, the fixed seconds per optimizer step, the gradient all-reduce
+    over the type's intra link), per optimizer step and >= 0 (DP steps no slower than that: nothing to add). So the
+    cost model gives back the measured steps on average. None without DP steps."""
+    if not dp_steps or not dp_steps.get("points"):
+        return None
+    model = model_from_config(dp_steps["model_config"], "profiled")
+    dp, opt_steps = int(dp_steps["dp"]), int(dp_steps["optimizer_steps"])
+    stage = StageSpec(gpu.name, model.layers, (0,), gpu.intra_gbps, float(dp_steps["intra_gbps"]), 0.0)
+    eff = Efficiency(per_type={gpu.name: replace(te, dp_overhead_s=0.0)})
+    extra = []
+    for p in dp_steps["points"]:
+        wl = Workload(
+            prompts_per_step=int(p["trajectories"]),
+            samples_per_prompt=1,
+            prompt_len=float(p["prompt"]),
+            gen_samples=[float(p["response"])],
+            precision="fp32",
+            ppo_minibatches=opt_steps,
+            microbatch_tokens=int(dp_steps["micro_batch_tokens"]),
+            train_passes=float(dp_steps["passes"]),
+        )
+        extra.append(p["step_s"] - train_step_seconds(model, [stage], dp, 1, {gpu.name: gpu}, wl, eff))
+    return max(0.0, sum(extra) / len(extra)) / opt_steps
+
+
 def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> dict:
     """Fit the measured points (device_profile.profile_device's structure) and add `measured`, `nominal`, `fractions`,
     `efficiency` (the TypeEfficiency of `gpu` the planner reads) and, when the link was measured, `sync`; then check
@@ -1339,6 +1375,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
                 train_overhead_s is that less what train_step_seconds already charges for the optimizer of the
                 profiled model (its `params` at OPTIMIZER_BYTES_DP1 bytes each over the decode bandwidth)
       train_tp  (optional) train points as tensor-parallel steps: tp_unsplit, tp_overhead_s (tp_unsplit_fit)
+      train_dp  (optional) train points as data-parallel steps: dp_overhead_s (dp_overhead_fit)
       link      one weight-sync bucket hop between two processes, as a train rank waits for it (fill a buffer,
                 checksum it, send; the receiver takes it): hop = bytes / bandwidth (sync.link_gbps); a tiny hop is
                 the fixed cost (sync.sync_latency_s)"""
@@ -1424,6 +1461,9 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         **({} if combine == "max" else {"decode_combine": combine}),
         **({} if tp_fit is None else {"tp_unsplit": tp_fit[0], "tp_overhead_s": tp_fit[1]}),
     }
+    dp_fit = dp_overhead_fit(out.get("train_dp"), gpu, TypeEfficiency(**out["efficiency"]))
+    if dp_fit is not None:
+        out["measured"]["train_dp_overhead_s"] = out["efficiency"]["dp_overhead_s"] = dp_fit
     link = out.get("link")
     if link:
         link_rate, link_c, r2_link = fit_rate(
@@ -1463,6 +1503,11 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
             f"train:   a tp {out['train_tp']['tp']} rank streams {tp_fit[0]:.1f} hidden-sized tensors per token, layer "
             f"and pass that TP does not divide (tp_unsplit) and spends {tp_fit[1] * 1e3:.2f} ms more per optimizer "
             "step (tp_overhead_s)"
+        )
+    if dp_fit is not None:
+        log(
+            f"train:   a dp {out['train_dp']['dp']} rank spends {dp_fit * 1e3:.2f} ms more per optimizer step than "
+            "1/dp of the step and the gradient all-reduce (dp_overhead_s)"
         )
     if link:
         log(

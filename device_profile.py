@@ -70,6 +70,7 @@ PROFILE_SHAPES = {
         # the TP-2 steps: one and four 1024-token micro-batches per minibatch, the CPU runs' size, so that the work
         # TP leaves whole separates into its part per token and its part per optimizer step
         "train_tp": [(16, 64, 64), (64, 64, 64)],
+        "train_dp": [(16, 64, 64), (64, 64, 64)],  # the DP-2 steps: the same two sizes
         "train_mb": 1024,  # micro_batch_tokens (the CPU demo's)
         "work_model": 1,  # the model prefill runs on (an index into models)
         "train_model": 0,  # the model training runs on: the tiny one (see above)
@@ -89,6 +90,7 @@ PROFILE_SHAPES = {
             "prefill": [(1, 32), (4, 32), (4, 64)],
             "train": [(4, 16, 16), (8, 16, 32)],
             "train_tp": [(8, 16, 32), (32, 16, 32)],
+            "train_dp": [(8, 16, 32), (32, 16, 32)],
             "link_bytes": [2**20, 4 * 2**20, 16 * 2**20],
         },
     },
@@ -158,6 +160,10 @@ def profile_device(
       train_tp  (CPU) the largest train point again as a tensor-parallel step of two processes: a TP rank still runs
                 the work TP does not divide (norms, residual adds, the loss, each op's host work) and the
                 all-reduces; what it took beyond the cost model's FLOPs / tp and all-reduce terms is tp_unsplit
+      train_dp  (CPU) the same points as data-parallel steps of two processes, as the CPU recipes train (no FSDP):
+                each rank its half of the batch, then the gradient all-reduce; what a step took beyond what the
+                cost model charges a DP rank for it (1/dp of the FLOPs, the optimizer, the all-reduce over the
+                type's intra link) is dp_overhead_s
       link      (CPU) one weight-sync bucket hop between this process and a second one over gloo, as
                 parallel/weight_sync.py's owner makes it and a train rank waits for it: fill a fresh buffer,
                 checksum it, send; the receiver takes it into a fresh buffer and acknowledges (its verify and copy-out
@@ -173,7 +179,7 @@ def profile_device(
     Their constants are then this machine's as that type's rank gets it -- after each of the throttle's pauses, which
     cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
     Training steps are one padded piece each in the runtime (one pause per step) and the link is padded by its wall
-    time, exactly: neither is throttled here, the link and the TP step are not measured, and a planner given this
+    time, exactly: neither is throttled here, the link and the TP and DP steps are not measured, and a planner given this
     machine's profile first keeps its training constants for every type (cost_model.apply_profile).
     `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
@@ -201,7 +207,8 @@ def profile_device(
     # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a shared,
     # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
     clock = time.perf_counter if cuda else time.process_time
-    share = {"gemm": 0.07, "copy": 0.06, "decode": 0.45, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "link": 0.04}
+    share = {"gemm": 0.07, "copy": 0.06, "decode": 0.4, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "train_dp": 0.05,
+             "link": 0.04}  # fmt: skip
 
     def timed(fn, budget_s: float) -> float:
         """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
@@ -341,14 +348,15 @@ def profile_device(
     )
     # (e') train points again, tensor-parallel over two processes of this machine (CPU: one GPU has no second
     # device; a type profile's training is the machine's, cost_model.apply_profile)
-    if not cuda and throttle is None and shapes.get("train_tp"):
-        tp_points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes["train_tp"])]
-        out["train_tp"] = _profile_train_tp(
-            train_dims, tp_points, shapes["train_mb"], gpu.intra_gbps, seconds * share["train_tp"]
-        )
-    if out.get("train_tp"):
-        steps = ", ".join(f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} ms" for p in out["train_tp"]["points"])
-        log(f"train:   tp {TRAIN_TP} steps of {steps}")
+    for kind, dp, tp in (("train_tp", 1, TRAIN_TP), ("train_dp", TRAIN_DP, 1)):
+        if not cuda and throttle is None and shapes.get(kind):
+            points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes[kind])]
+            out[kind] = _profile_train_parallel(
+                train_dims, points, shapes["train_mb"], gpu.intra_gbps, seconds * share[kind], dp, tp
+            )
+        if out.get(kind):
+            steps = ", ".join(f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} ms" for p in out[kind]["points"])
+            log(f"train:   {'tp' if tp > 1 else 'dp'} {max(dp, tp)} steps of {steps}")
     # (f) the weight-sync link between two processes of this machine
     if not cuda and shapes.get("link_bytes") and throttle is None:
         out["link"] = _profile_link(shapes["link_bytes"], seconds * share["link"])
@@ -494,17 +502,22 @@ def _random_trajectories(vocab: int, n: int, prompt: int, response: int, seed: i
 PROFILE_MINIBATCHES = 2  # PPO minibatches of a profiled train step: the proximal recompute runs, as in RL runs
 
 
-def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype):
-    """The Trainer a profile times: one stage of every layer over `tp` ranks (the world), 2 PPO minibatches (so the
-    proximal log-prob recompute runs: the 4 passes cm.Workload().train_passes counts)."""
+def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype, dp: int = 1):
+    """The Trainer a profile times: one stage of every layer over dp x tp ranks (the world), 2 PPO minibatches (so the
+    proximal log-prob recompute runs: the 4 passes cm.Workload().train_passes counts); over DP without FSDP, as the
+    CPU recipes train (exp/configs/cpu_demo.yaml: train.shard_state false)."""
     from config import TrainConfig
     from parallel.groups import build_groups
     from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer
 
-    groups = build_groups(make_train_plan(1, tp, 1, [(0, spec.layers)]))
+    groups = build_groups(make_train_plan(dp, tp, 1, [(0, spec.layers)]))
     cfg = TrainConfig(
-        lr=1e-6, ppo_minibatches=PROFILE_MINIBATCHES, micro_batch_tokens=micro_batch_tokens, min_microbatches=1
+        lr=1e-6,
+        ppo_minibatches=PROFILE_MINIBATCHES,
+        micro_batch_tokens=micro_batch_tokens,
+        min_microbatches=1,
+        shard_state=False,
     )
     return Trainer(hf, groups, cfg, device, compute_dtype=dtype)
 
@@ -551,13 +564,14 @@ def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, 
 
 
 TRAIN_TP = 2  # the tensor-parallel degree of the profile's TP steps (two processes of this machine)
+TRAIN_DP = 2  # the data-parallel degree of its DP steps
 
 
-def _tp_step_loop(
-    rank: int, init: str, dims: tuple, points: list, micro_batch_tokens: int, budget_s: float
+def _parallel_step_loop(
+    rank: int, init: str, dims: tuple, points: list, micro_batch_tokens: int, budget_s: float, dp: int, tp: int
 ) -> tuple[list[float], cm.ModelSpec]:
-    """Both sides of the TP steps (rank 0 here, rank 1 a spawned process): the same random Llama and batches on each,
-    Trainer.train_step at tp TRAIN_TP; per point one warm-up, then steps until rank 0's share of the budget is spent
+    """Both sides of the TP or DP steps (rank 0 here, rank 1 a spawned process): the same random Llama and batches on
+    each, Trainer.train_step at dp x tp; per point one warm-up, then steps until rank 0's share of the budget is spent
     (at least 3, at most 20). A step's seconds are the larger of the two ranks' CPU seconds: the ranks wait for each
     other at every all-reduce, so the slower one sets the step, and CPU time leaves out other processes' time slices,
     as the rest of a CPU profile does. Rank 0 returns the medians and the model's cost-model spec."""
@@ -568,12 +582,12 @@ def _tp_step_loop(
 
     torch.set_num_threads(1)
     dist.init_process_group(
-        "gloo", init_method=init, rank=rank, world_size=TRAIN_TP, timeout=timedelta(seconds=LINK_TIMEOUT_S)
+        "gloo", init_method=init, rank=rank, world_size=dp * tp, timeout=timedelta(seconds=LINK_TIMEOUT_S)
     )
     medians = []
     try:
         hf, spec = _random_llama(*dims)
-        trainer = _profiled_trainer(hf, spec, TRAIN_TP, micro_batch_tokens, torch.device("cpu"), torch.float32)
+        trainer = _profiled_trainer(hf, spec, tp, micro_batch_tokens, torch.device("cpu"), torch.float32, dp=dp)
         go, took = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
         for seed, point in points:
             batch = _random_trajectories(spec.vocab, *point, seed=seed)
@@ -597,16 +611,20 @@ def _tp_step_loop(
     return medians, spec
 
 
-def _tp_peer(init: str, dims: tuple, points: list, micro_batch_tokens: int) -> None:
-    _tp_step_loop(1, init, dims, points, micro_batch_tokens, 0.0)
+def _parallel_peer(init: str, dims: tuple, points: list, micro_batch_tokens: int, dp: int, tp: int) -> None:
+    _parallel_step_loop(1, init, dims, points, micro_batch_tokens, 0.0, dp, tp)
 
 
-def _profile_train_tp(dims: tuple, points: list, micro_batch_tokens: int, intra_gbps: float, budget_s: float) -> dict:
-    """(CPU) train points again as TRAIN_TP-way tensor-parallel steps over two processes of this machine: what a TP
-    rank does that the FLOPs / tp of the cost model leave out (cost_model.tp_unsplit_fit: per token and per optimizer
-    step, hence two sizes), the all-reduces priced over `intra_gbps`, the profiled type's link inside a machine.
-    `points` are (seed, (trajectories, prompt, response)). Returns {"tp", "layers", "hidden", "passes", "bytes",
-    "micro_batch_tokens", "optimizer_steps", "intra_gbps", "points": [{"trajectories", "tokens", "flops", "step_s"}]}."""
+def _profile_train_parallel(
+    dims: tuple, points: list, micro_batch_tokens: int, intra_gbps: float, budget_s: float, dp: int, tp: int
+) -> dict:
+    """(CPU) train points again as steps over two processes of this machine, tensor-parallel (tp 2) or
+    data-parallel (dp 2): what such a rank does that the cost model's FLOPs / tp (or / dp) leave out
+    (cost_model.tp_unsplit_fit: per token and per optimizer step, hence two sizes; cost_model.dp_overhead_fit), the
+    all-reduces priced over `intra_gbps`, the profiled type's link inside a machine. `points` are
+    (seed, (trajectories, prompt, response)). Returns {"dp", "tp", "layers", "hidden", "passes", "bytes",
+    "micro_batch_tokens", "optimizer_steps", "intra_gbps", "model_config", "points": [{"trajectories", "prompt",
+    "response", "tokens", "flops", "step_s"}]}."""
     import tempfile
 
     import torch.distributed as dist
@@ -617,11 +635,11 @@ def _profile_train_tp(dims: tuple, points: list, micro_batch_tokens: int, intra_
     with tempfile.TemporaryDirectory() as tmp:
         init = f"file://{tmp}/tp_init"
         peer = mp.get_context("spawn").Process(
-            target=_tp_peer, args=(init, dims, points, micro_batch_tokens), daemon=True
+            target=_parallel_peer, args=(init, dims, points, micro_batch_tokens, dp, tp), daemon=True
         )
         peer.start()
         try:
-            medians, spec = _tp_step_loop(0, init, dims, points, micro_batch_tokens, budget_s)
+            medians, spec = _parallel_step_loop(0, init, dims, points, micro_batch_tokens, budget_s, dp, tp)
         finally:
             peer.join(timeout=60)
             if peer.is_alive():
@@ -629,9 +647,11 @@ def _profile_train_tp(dims: tuple, points: list, micro_batch_tokens: int, intra_
     rows = []
     for (_, (n, prompt, response)), step_s in zip(points, medians):
         row = _train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, step_s)
-        rows.append({k: row[k] for k in ("trajectories", "tokens", "flops", "step_s")})
+        rows.append({**{k: row[k] for k in ("trajectories", "tokens", "flops", "step_s")}, "prompt": prompt,
+                     "response": response})  # fmt: skip
     return {
-        "tp": TRAIN_TP,
+        "dp": dp,
+        "tp": tp,
         "layers": spec.layers,
         "hidden": spec.hidden,
         "passes": cm.Workload().train_passes,
@@ -639,6 +659,7 @@ def _profile_train_tp(dims: tuple, points: list, micro_batch_tokens: int, intra_
         "micro_batch_tokens": micro_batch_tokens,
         "optimizer_steps": PROFILE_MINIBATCHES,
         "intra_gbps": intra_gbps,
+        "model_config": spec.to_config(),
         "points": rows,
     }
 

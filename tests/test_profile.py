@@ -165,6 +165,46 @@ def test_tp_steps_give_tp_unsplit_and_tp_overhead_and_the_cost_model_gives_the_s
     assert "tp_unsplit" not in without["efficiency"] and "tp_overhead_s" not in without["efficiency"]
 
 
+def test_dp_steps_give_dp_overhead_and_the_cost_model_gives_the_steps_back():
+    """finish_profile's dp_overhead_s is what makes train_step_seconds at dp 2 give back the measured DP steps (on
+    average over them, on the workloads they were: one sequence per trajectory, 2 minibatches, the profile's
+    micro-batches); at dp 1 it does not act; DP steps no slower than the model give 0; without DP steps it is
+    absent."""
+    stage = cm.StageSpec("cpu", TINY.layers, (0,), CPU.intra_gbps, CPU.intra_gbps, 0.0)
+
+    def workload(n: int) -> cm.Workload:
+        return cm.Workload(prompts_per_step=n, samples_per_prompt=1, prompt_len=32, gen_samples=[32.0],
+                           precision="fp32", ppo_minibatches=2, microbatch_tokens=512, train_passes=4.0)  # fmt: skip
+
+    def priced(out: dict, n: int, dp: int) -> float:
+        prof = cm.profile_from_dict({**out, "gpu_type": "cpu"}, "synthetic")
+        eff = cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, "synthetic")
+        return cm.train_step_seconds(TINY, [stage], dp, 1, {"cpu": CPU}, workload(n), eff)
+
+    def with_dp_steps(extra_s: list[float]) -> dict:
+        out = tp_profile_points([])
+        del out["train_tp"]
+        cm.finish_profile(out, CPU, log=lambda *_: None)
+        points = [{"trajectories": n, "prompt": 32, "response": 32, "tokens": 64 * n, "flops": 0.0,
+                   "step_s": priced(out, n, 2) + e} for n, e in zip((16, 64), extra_s)]  # fmt: skip
+        out["train_dp"] = {"dp": 2, "tp": 1, "passes": 4.0, "micro_batch_tokens": 512, "optimizer_steps": 2,
+                           "intra_gbps": CPU.intra_gbps, "model_config": TINY.to_config(), "points": points}  # fmt: skip
+        cm.finish_profile(out, CPU, log=lambda *_: None)
+        return out
+
+    out = with_dp_steps([0.03, 0.05])  # each DP step 30 / 50 ms above what the model charges without the term
+    assert out["efficiency"]["dp_overhead_s"] == pytest.approx(0.04 / 2, rel=1e-6)  # per optimizer step
+    assert out["measured"]["train_dp_overhead_s"] == out["efficiency"]["dp_overhead_s"]
+    steps = [p["step_s"] for p in out["train_dp"]["points"]]
+    assert (priced(out, 16, 2) + priced(out, 64, 2)) / 2 == pytest.approx(sum(steps) / 2, rel=1e-9)
+    assert priced(out, 16, 1) == pytest.approx(priced(with_dp_steps([0.0, 0.0]), 16, 1), rel=1e-12)  # dp 1: no term
+    assert with_dp_steps([-0.01, -0.02])["efficiency"]["dp_overhead_s"] == 0.0  # faster than the model: nothing
+    without = tp_profile_points([])
+    del without["train_tp"]
+    cm.finish_profile(without, CPU, log=lambda *_: None)
+    assert "dp_overhead_s" not in without["efficiency"]
+
+
 def test_profile_yaml_round_trip(tmp_path):
     doc = profile_doc()
     prof = cm.load_profile(write(tmp_path, doc))
@@ -297,6 +337,9 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     tp_steps = doc["points"]["train_tp"]  # real 2-process TP steps
     assert tp_steps["tp"] == 2 and len(tp_steps["points"]) == 2 and all(p["step_s"] > 0 for p in tp_steps["points"])
     assert prof.efficiency.tp_unsplit == doc["efficiency"]["tp_unsplit"] >= 0 and prof.efficiency.tp_overhead_s >= 0
+    dp_steps = doc["points"]["train_dp"]  # real 2-process DP steps
+    assert dp_steps["dp"] == 2 and len(dp_steps["points"]) == 2 and all(p["step_s"] > 0 for p in dp_steps["points"])
+    assert prof.efficiency.dp_overhead_s == doc["efficiency"]["dp_overhead_s"] >= 0
     assert doc["seconds"] < 120
 
 
