@@ -470,6 +470,10 @@ class TypeEfficiency:
     # optimizer term and the gradient all-reduce over the DP link cost (the all-reduce's host work on a CPU, the wait
     # for the slower rank of the group); measured at dp 2 by a CPU device profile, 0 unless it did
     dp_overhead_s: float = 0.0
+    # fixed seconds per micro-batch beyond its FLOPs (each forward and backward's op dispatch and the chunked
+    # log-probs' loop on a CPU, kernel launches on a GPU), charged to every micro-batch of every stage; measured by a
+    # CPU profile from one step packed into more micro-batches, 0 unless it did
+    microbatch_overhead_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_combine not in DECODE_COMBINES:
@@ -839,7 +843,7 @@ def train_step_seconds(
         flops = (
             passes * mb * (st.layers * model.layer_flops_per_token(context) + (2 * model.head_params if last else 0))
         )
-        t = flops / (tp * gpu.tflops * 1e12 * te.mfu_train * st.speed)
+        t = flops / (tp * gpu.tflops * 1e12 * te.mfu_train * st.speed) + te.microbatch_overhead_s / st.speed
         if tp > 1:
             ar_bytes = 2 * (tp - 1) / tp * mb * model.hidden * nbytes
             t += 2 * passes * st.layers * (LINK_LATENCY_S + ar_bytes / (st.tp_gbps * 1e9))
@@ -1040,7 +1044,7 @@ def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
 PROFILE_FRACTIONS = ("mfu_train", "mfu_infer", "hbm_eff")
 PROFILE_OPTIONAL_FRACTIONS = ("mfu_decode",)
 PROFILE_OVERHEADS = ("decode_overhead_s",)
-PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s", "tp_overhead_s", "dp_overhead_s")
+PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s", "tp_overhead_s", "dp_overhead_s", "microbatch_overhead_s")
 PROFILE_MAX_FRACTION = 1.2
 PROFILE_MAX_OVERHEAD_S = 10.0
 # tp_unsplit is a count of hidden-sized tensor passes per token, layer and training pass. A GPU's TP ranks replicate
@@ -1280,6 +1284,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
             tp_unsplit=te.tp_unsplit,
             tp_overhead_s=te.tp_overhead_s,
             dp_overhead_s=te.dp_overhead_s,
+            microbatch_overhead_s=te.microbatch_overhead_s,
         )
         if prof.emulated and name in eff.per_type:
             # a type profile's training is unthrottled, another reading of this machine's: the machine profile's
@@ -1293,6 +1298,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
                 tp_unsplit=prior.tp_unsplit * typed.hbm_eff / prior.hbm_eff,
                 tp_overhead_s=prior.tp_overhead_s,
                 dp_overhead_s=prior.dp_overhead_s,
+                microbatch_overhead_s=prior.microbatch_overhead_s,
             )
         out.per_type[name] = typed
     if prof.link_gbps is not None:
@@ -1302,11 +1308,17 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
 
 
 def tp_unsplit_fit(
-    tp_steps: dict | None, train_rate: float, optimizer_s: float, train_overhead_s: float, bw: float
+    tp_steps: dict | None,
+    train_rate: float,
+    optimizer_s: float,
+    train_overhead_s: float,
+    bw: float,
+    microbatch_overhead_s: float = 0.0,
 ) -> tuple[float, float] | None:
     """(tp_unsplit, tp_overhead_s) from a profile's TP steps (device_profile._profile_train_parallel): what each step took
     beyond what train_step_seconds charges a TP rank without them -- the fitted FLOP rate's FLOPs / tp, the optimizer
-    over 1/tp of the parameters, the fixed seconds per optimizer step, the all-reduces over the type's intra link --
+    over 1/tp of the parameters, the fixed seconds per optimizer step and per micro-batch, the all-reduces over the
+    type's intra link --
     is e = optimizer_steps * tp_overhead_s + tp_unsplit * x, x = (1 - 1/tp) of the step's hidden-sized tensor
     passes at the fitted decode bandwidth `bw` (B/s): least squares over the steps, both terms >= 0 (one step: all
     of it per token). So the cost model gives back the measured steps. None without TP steps."""
@@ -1321,6 +1333,7 @@ def tp_unsplit_fit(
         ring = 2 * (tp - 1) / tp * tokens * hidden * nbytes / (tp_steps["intra_gbps"] * 1e9)
         all_reduce = 2 * passes * layers * (microbatches * LINK_LATENCY_S + ring)
         charged = p["flops"] / (tp * train_rate) + opt_steps * (optimizer_s / tp + train_overhead_s) + all_reduce
+        charged += microbatches * microbatch_overhead_s
         xs.append((1 - 1 / tp) * passes * tokens * layers * hidden * nbytes / bw)
         es.append(p["step_s"] - charged)
     unsplit, fixed = (fit_line(xs, es)[:2]) if len(set(xs)) > 1 else (0.0, -1.0)
@@ -1373,7 +1386,9 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
       train     step = FLOPs / rate + c (mfu_train). A point is one Trainer.train_step of `optimizer_steps` optimizer
                 steps (its PPO minibatches), so c / optimizer_steps is what one optimizer step costs besides the FLOPs;
                 train_overhead_s is that less what train_step_seconds already charges for the optimizer of the
-                profiled model (its `params` at OPTIMIZER_BYTES_DP1 bytes each over the decode bandwidth)
+                profiled model (its `params` at OPTIMIZER_BYTES_DP1 bytes each over the decode bandwidth) and less
+                one micro-batch's fixed part: the line goes through the points of one micro-batch per minibatch, and
+                a point packed into more (`microbatches`) gives microbatch_overhead_s, what each extra one cost
       train_tp  (optional) train points as tensor-parallel steps: tp_unsplit, tp_overhead_s (tp_unsplit_fit)
       train_dp  (optional) train points as data-parallel steps: dp_overhead_s (dp_overhead_fit)
       link      one weight-sync bucket hop between two processes, as a train rank waits for it (fill a buffer,
@@ -1412,7 +1427,10 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     prefill_rate, prefill_c, r2_prefill = fit_rate(
         [p["flops"] for p in out["prefill"]], [p["step_s"] for p in out["prefill"]], "prefill"
     )
-    train = out["train"]
+    # the line through the steps of one micro-batch per minibatch; the same FLOPs packed finer (`microbatches` > 1)
+    # cost each extra micro-batch's fixed part: microbatch_overhead_s
+    train = [p for p in out["train"] if p.get("microbatches", 1) == 1]
+    split = [p for p in out["train"] if p.get("microbatches", 1) > 1]
     train_rate, train_c, r2_train = fit_rate([p["flops"] for p in train], [p["step_s"] for p in train], "train")
     opt_steps = train[0].get("optimizer_steps", 1)
     # the parameters the cost model's optimizer term charges (a profile before this key: all of them)
@@ -1424,10 +1442,19 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     # what one optimizer step costs beyond that. A negative intercept is a noisy fit (refused below); an intercept
     # smaller than the optimizer term means that term already covers the whole fixed cost (a fused optimizer
     # streams fewer bytes than OPTIMIZER_BYTES_DP1): nothing to add
-    train_overhead = train_c / opt_steps - optimizer_s
+    microbatch_overhead = None
+    if split:
+        extra = [
+            (p["step_s"] - p["flops"] / train_rate - train_c) / (opt_steps * (p["microbatches"] - 1)) for p in split
+        ]
+        microbatch_overhead = max(0.0, sum(extra) / len(extra))
+    # the intercept holds one micro-batch's fixed part per optimizer step; the cost model charges that per micro-batch
+    train_overhead = train_c / opt_steps - optimizer_s - (microbatch_overhead or 0.0)
     if train_c >= 0:
         train_overhead = max(0.0, train_overhead)
-    tp_fit = tp_unsplit_fit(out.get("train_tp"), train_rate, optimizer_s, train_overhead, bw)
+    tp_fit = tp_unsplit_fit(
+        out.get("train_tp"), train_rate, optimizer_s, train_overhead, bw, microbatch_overhead or 0.0
+    )
     peak, hbm = gpu.tflops * 1e12, gpu.hbm_tbps * 1e12
     out["measured"] = {
         "gemm_tflops": out["gemm_tflops"],
@@ -1460,7 +1487,10 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         **({} if decode_rate is None else {"mfu_decode": decode_rate / peak}),
         **({} if combine == "max" else {"decode_combine": combine}),
         **({} if tp_fit is None else {"tp_unsplit": tp_fit[0], "tp_overhead_s": tp_fit[1]}),
+        **({} if microbatch_overhead is None else {"microbatch_overhead_s": microbatch_overhead}),
     }
+    if microbatch_overhead is not None:
+        out["measured"]["train_microbatch_overhead_s"] = microbatch_overhead
     dp_fit = dp_overhead_fit(out.get("train_dp"), gpu, TypeEfficiency(**out["efficiency"]))
     if dp_fit is not None:
         out["measured"]["train_dp_overhead_s"] = out["efficiency"]["dp_overhead_s"] = dp_fit
@@ -1503,6 +1533,11 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
             f"train:   a tp {out['train_tp']['tp']} rank streams {tp_fit[0]:.1f} hidden-sized tensors per token, layer "
             f"and pass that TP does not divide (tp_unsplit) and spends {tp_fit[1] * 1e3:.2f} ms more per optimizer "
             "step (tp_overhead_s)"
+        )
+    if microbatch_overhead is not None:
+        log(
+            f"train:   {microbatch_overhead * 1e3:.2f} ms per micro-batch besides its FLOPs (microbatch_overhead_s: the "
+            f"step packed into {split[0]['microbatches']} micro-batches per minibatch instead of 1)"
         )
     if dp_fit is not None:
         log(

@@ -67,6 +67,9 @@ PROFILE_SHAPES = {
         "decode_steps": 16,
         "prefill": [(1, 64), (4, 64), (4, 128), (8, 128)],
         "train": [(4, 32, 32), (8, 32, 32), (8, 64, 64), (16, 64, 64)],  # (trajectories, prompt, response)
+        # the largest train point again with micro-batches of 256 tokens: 4 per minibatch instead of 1, the same
+        # FLOPs; what it costs more is each micro-batch's fixed part (microbatch_overhead_s)
+        "train_split": [(16, 64, 64, 256)],
         # the TP-2 steps: one and four 1024-token micro-batches per minibatch, the CPU runs' size, so that the work
         # TP leaves whole separates into its part per token and its part per optimizer step
         "train_tp": [(16, 64, 64), (64, 64, 64)],
@@ -89,6 +92,7 @@ PROFILE_SHAPES = {
             "compute_models": 1,
             "prefill": [(1, 32), (4, 32), (4, 64)],
             "train": [(4, 16, 16), (8, 16, 32)],
+            "train_split": [(8, 16, 32, 96)],
             "train_tp": [(8, 16, 32), (32, 16, 32)],
             "train_dp": [(8, 16, 32), (32, 16, 32)],
             "link_bytes": [2**20, 4 * 2**20, 16 * 2**20],
@@ -331,7 +335,7 @@ def profile_device(
     train_dims = models[shapes.get("train_model", shapes["work_model"])]
     train = _profile_train(
         _random_llama(*train_dims),
-        shapes["train"],
+        shapes["train"] + shapes.get("train_split", []),
         shapes["train_mb"],
         device,
         dtype,
@@ -522,7 +526,11 @@ def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype,
     return Trainer(hf, groups, cfg, device, compute_dtype=dtype)
 
 
-def _train_point(spec, optimizer_steps: int, n: int, prompt: int, response: int, step_s: float) -> dict:
+def _train_point(
+    spec, optimizer_steps: int, n: int, prompt: int, response: int, step_s: float, micro_batch_tokens: int
+) -> dict:
+    from parallel.packing import dynamic_microbatches
+
     length = prompt + response
     per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
     return {
@@ -533,12 +541,16 @@ def _train_point(spec, optimizer_steps: int, n: int, prompt: int, response: int,
         "trajectories": n,
         "tokens": n * length,
         "flops": cm.Workload().train_passes * n * per_seq,  # forward + backward + the proximal recompute
+        "micro_batch_tokens": micro_batch_tokens,
+        # micro-batches per minibatch as the Trainer packs them (its n / optimizer_steps sequences)
+        "microbatches": len(dynamic_microbatches([length] * (n // optimizer_steps), micro_batch_tokens)),
         "step_s": step_s,
     }
 
 
 def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, timed, budget_s: float) -> list[dict]:
-    """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories."""
+    """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories; a point
+    (trajectories, prompt, response[, micro_batch_tokens]) may pack its minibatches finer than `micro_batch_tokens`."""
     import tempfile
 
     import torch.distributed as dist
@@ -550,13 +562,16 @@ def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, 
             backend = "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
             dist.init_process_group(backend, init_method=f"file://{tmp}/init", rank=0, world_size=1)
         try:
-            trainer = _profiled_trainer(hf, spec, 1, micro_batch_tokens, device, dtype)
+            trainers = {}
             rows = []
-            for seed, (n, prompt, response) in enumerate(points):
+            for seed, (n, prompt, response, *mb) in enumerate(points):
+                mb = mb[0] if mb else micro_batch_tokens
+                if mb not in trainers:
+                    trainers[mb] = _profiled_trainer(hf, spec, 1, mb, device, dtype)
                 batch = _random_trajectories(spec.vocab, n, prompt, response, seed)
-                t = timed(lambda batch=batch, trainer=trainer: trainer.train_step(batch), budget_s / len(points))
-                rows.append(_train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, t))
-            del trainer
+                t = timed(lambda batch=batch, trainer=trainers[mb]: trainer.train_step(batch), budget_s / len(points))
+                rows.append(_train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, t, mb))
+            del trainers
         finally:
             if own:
                 dist.destroy_process_group()
@@ -646,7 +661,7 @@ def _profile_train_parallel(
                 peer.kill()
     rows = []
     for (_, (n, prompt, response)), step_s in zip(points, medians):
-        row = _train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, step_s)
+        row = _train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, step_s, micro_batch_tokens)
         rows.append({**{k: row[k] for k in ("trajectories", "tokens", "flops", "step_s")}, "prompt": prompt,
                      "response": response})  # fmt: skip
     return {

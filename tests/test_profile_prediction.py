@@ -334,6 +334,35 @@ def test_finish_profile_fits_the_new_constants_from_synthetic_points():
     cm.profile_from_dict({**out, "gpu_type": "cpu"}, "p")  # what the planner reads back
 
 
+def test_a_step_packed_finer_gives_the_micro_batch_overhead_and_the_cost_model_charges_it_per_micro_batch():
+    """The train line goes through the one-micro-batch steps; the same FLOPs packed into 4 micro-batches per minibatch
+    cost 3 x optimizer_steps x c more: finish_profile recovers c, takes it out of the per-optimizer-step intercept
+    (which held one micro-batch's), and train_step_seconds charges it to every micro-batch: at one micro-batch per
+    minibatch the step is what it was without the split point."""
+    c_mb, rate, c_train = 0.004, 5e10, 0.3
+    pts = synthetic_points()
+    pts["train"].append({"flops": 1.6e11, "step_s": 1.6e11 / rate + c_train + 3 * 2 * c_mb, "optimizer_steps": 2,
+                         "params": 3_000_000, "microbatches": 4})  # fmt: skip
+    gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
+    out = cm.finish_profile(pts, gpu, log=lambda *_: None)
+    plain = cm.finish_profile(synthetic_points(), gpu, log=lambda *_: None)
+    e = out["efficiency"]
+    assert e["microbatch_overhead_s"] == pytest.approx(c_mb) and "microbatch_overhead_s" not in plain["efficiency"]
+    assert e["train_overhead_s"] == pytest.approx(plain["efficiency"]["train_overhead_s"] - c_mb)
+    model = cm.load_model_spec(TINY)
+    stage = [cm.StageSpec("cpu", model.layers, (0,), 2.0, 2.0, 0.0)]
+
+    def train(eff: dict, microbatch_tokens: int) -> float:
+        te = cm.TypeEfficiency(**{k: v for k, v in eff.items()})
+        wl = cm.Workload(**{**DEMO, "ppo_minibatches": 2, "microbatch_tokens": microbatch_tokens})
+        return cm.train_step_seconds(model, stage, 1, 1, {"cpu": gpu}, wl, cm.Efficiency(per_type={"cpu": te}))
+
+    one = 16 * 8 * (29 + 25.5)  # the step: a minibatch (half of it) in one micro-batch of these tokens
+    assert train(e, int(one)) == pytest.approx(train(plain["efficiency"], int(one)), rel=1e-9)
+    # 4 micro-batches per minibatch: 3 more fixed parts in each of the 2 minibatches
+    assert train(e, int(one / 8) + 1) - train(plain["efficiency"], int(one / 8) + 1) == pytest.approx(2 * 3 * c_mb)
+
+
 def test_finish_profile_keeps_the_decode_form_the_points_fit():
     """Points made by a serialised step (bytes / bw + FLOPs / rate + c), one row to a full batch: the fit picks
     decode_combine "sum" and recovers its constants; the max-made points above keep "max" (no key written)."""
