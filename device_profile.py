@@ -82,6 +82,8 @@ PROFILE_SHAPES = {
         # (models[co_load_model]), 8 slots, prompts of 64 and responses of 32 tokens, refilled as they finish
         "co_load_model": 0,
         "co_load_batch": (8, 64, 32),
+        # a co-load train peer: the CPU runs' step, 128 trajectories of 29 + 25 tokens (2 minibatches)
+        "co_load_train": (128, 29, 25),
         # a smoke run (--seconds < 30): two small models, fewer points
         "smoke": {
             "gemm": [(1024, 256, 680), (1024, 512, 1024)],
@@ -145,7 +147,13 @@ def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
 
 
 def profile_device(
-    gpu: cm.GPUType, seconds: float = 120.0, log=print, nominal: str = "type", throttle=None, co_load: int = 0
+    gpu: cm.GPUType,
+    seconds: float = 120.0,
+    log=print,
+    nominal: str = "type",
+    throttle=None,
+    co_load: int = 0,
+    co_load_trainers: int = 0,
 ) -> dict:
     """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
     one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
@@ -188,7 +196,10 @@ def profile_device(
     `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
     are busy beside each rank: they share its cores' caches and memory bandwidth, and a memory-bound step's CPU
-    time grows with them (exp/PLANNER.md, "Where the error is"). The profile records them (`co_load`)."""
+    time grows with them (exp/PLANNER.md, "Where the error is"). `co_load_trainers` of the peers are train ranks
+    instead (Trainer.train_step of the CPU runs' shape, each step one piece padded by the throttle's compute
+    fraction, as a train rank's is): a run's neighbours are trainers as well as replicas, and a trainer's GEMMs and
+    optimizer stream other memory than a decode step. The profile records them (`co_load`)."""
     import time
 
     import torch
@@ -199,6 +210,8 @@ def profile_device(
     cuda = torch.cuda.is_available()
     if co_load < 0 or (co_load and cuda):
         raise cm.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
+    if not 0 <= co_load_trainers <= co_load:
+        raise cm.SpecError(f"co_load_trainers {co_load_trainers}: give 0 to co_load ({co_load}) of the peers")
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
@@ -267,7 +280,17 @@ def profile_device(
     decode, prefill = [], []
     n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
     peers = (
-        _co_load(co_load, models[shapes["co_load_model"]], shapes["co_load_batch"], throttle, log) if co_load else None
+        _co_load(
+            co_load,
+            models[shapes["co_load_model"]],
+            shapes["co_load_batch"],
+            throttle,
+            log,
+            co_load_trainers,
+            (shapes["co_load_train"], shapes["train_mb"]),
+        )
+        if co_load
+        else None
     )
     try:
         for mi, dims in enumerate(models):
@@ -326,6 +349,8 @@ def profile_device(
         batch, prompt, response = shapes["co_load_batch"]
         out["co_load"] = {
             "peers": co_load,
+            "trainers": co_load_trainers,
+            "train_batch": list(shapes["co_load_train"]),
             "model": list(models[shapes["co_load_model"]]),
             **{"batch": batch, "prompt": prompt, "response": response},
             "peer_steps": peer_steps,  # Generator steps each peer made while the points were measured
@@ -414,6 +439,35 @@ class _CoLoad:
         self.procs = []
 
 
+def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop, done) -> None:
+    """One co-load train peer (a spawned process, one thread, a gloo world of its own): Trainer.train_step of a random
+    Llama of `dims` over `train` = ((trajectories, prompt, response), micro_batch_tokens), each step padded by
+    `throttle`'s compute fraction (None: back to back), until `stop` is set; then it reports its steps on `done`."""
+    import tempfile
+
+    import torch
+    import torch.distributed as dist
+
+    from emulation import Throttle
+
+    torch.set_num_threads(1)
+    (n, prompt, response), micro_batch_tokens = train
+    throttle = throttle or Throttle()
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        hf, spec = _random_llama(*dims)
+        trainer = _profiled_trainer(hf, spec, 1, micro_batch_tokens, torch.device("cpu"), torch.float32)
+        batch = _random_trajectories(spec.vocab, n, prompt, response, seed)
+        steps = 0
+        ready.put(seed)
+        while not stop.is_set():
+            with throttle.piece("compute"):
+                trainer.train_step(batch)
+            steps += 1
+        dist.destroy_process_group()
+    done.put((seed, steps))
+
+
 def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, done) -> None:
     """One co-load peer (a spawned process, one thread): a rollout replica's decode loop -- `shape` (batch, prompt,
     response) requests on a random Llama of `dims`, refilled whenever all have finished -- every Generator step
@@ -439,8 +493,9 @@ def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, d
     done.put((seed, steps))
 
 
-def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log) -> _CoLoad:
-    """Start `peers` co-load peers (_co_load_peer) and wait until every one decodes; a peer that fails to start
+def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int = 0, train: tuple = ()) -> _CoLoad:
+    """Start `peers` co-load peers, the first `trainers` of them train peers (_co_load_trainer, `train` their
+    shape), the rest decoding ones (_co_load_peer), and wait until every one works; a peer that fails to start
     stops the profile with one error naming it, the others stopped."""
     import queue
     import time
@@ -450,7 +505,9 @@ def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log) -> _CoLoad:
     ctx = mp.get_context("spawn")
     ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=_co_load_peer, args=(dims, shape, throttle, i, ready, stop, done), daemon=True)
+        ctx.Process(target=_co_load_trainer, args=(dims, train, throttle, i, ready, stop, done), daemon=True)
+        if i < trainers
+        else ctx.Process(target=_co_load_peer, args=(dims, shape, throttle, i, ready, stop, done), daemon=True)
         for i in range(peers)
     ]
     load = _CoLoad(procs, stop, done)
@@ -472,9 +529,10 @@ def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log) -> _CoLoad:
             started += 1
         except queue.Empty:
             pass
-    log(
-        f"co-load: {peers} peer{'s' if peers > 1 else ''} decoding {shape[0]} rows beside the decode and prefill points"
-    )
+    decoding = f"{peers - trainers} decoding {shape[0]} rows" if peers > trainers else ""
+    training = f"{trainers} training" if trainers else ""
+    log(f"co-load: {peers} peer{'s' if peers > 1 else ''} ({', '.join(x for x in (training, decoding) if x)}) beside "
+        "the decode and prefill points")  # fmt: skip
     return load
 
 

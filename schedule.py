@@ -1529,6 +1529,14 @@ def profile_main(argv: list[str]) -> int:
         "type's throttle: the other ranks a run puts on this host (a rank's steps cost more CPU beside them)",
     )
     ap.add_argument(
+        "--co-load-trainers",
+        type=int,
+        default=0,
+        metavar="K",
+        help="(CPU) K of the --co-load peers train instead (Trainer steps of the CPU runs' shape under the type's "
+        "throttle): a run's other ranks are trainers as well as rollout replicas",
+    )
+    ap.add_argument(
         "--refit",
         default=None,
         metavar="PROFILE",
@@ -1548,6 +1556,8 @@ def profile_main(argv: list[str]) -> int:
         raise PlanError(f"--seconds must be > 0, got {a.seconds}")
     if a.co_load < 0:
         raise PlanError(f"--co-load must be >= 0 peer processes, got {a.co_load}")
+    if not 0 <= a.co_load_trainers <= a.co_load:
+        raise PlanError(f"--co-load-trainers must be 0 to --co-load ({a.co_load}), got {a.co_load_trainers}")
     out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
     from device_profile import profile_device
     from emulation import Throttle
@@ -1557,7 +1567,14 @@ def profile_main(argv: list[str]) -> int:
     throttle = None if emulation is None else Throttle(emulation, gpu_type)
     if throttle is not None:
         print(f"profiling emulated type {gpu_type} under its throttle ({asdict(emulation)})")
-    prof = profile_device(cluster.gpu(gpu_type), a.seconds, nominal=a.nominal, throttle=throttle, co_load=a.co_load)
+    prof = profile_device(
+        cluster.gpu(gpu_type),
+        a.seconds,
+        nominal=a.nominal,
+        throttle=throttle,
+        co_load=a.co_load,
+        co_load_trainers=a.co_load_trainers,
+    )
     doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
     if throttle is not None:
         doc["emulate"] = asdict(emulation)

@@ -12,8 +12,9 @@
 # each), right before the runs they predict: a shared host's rates drift (two profiles of this VM an hour apart
 # differ up to 2x), a profile predicts only the machine it measured, and an emulated rank's Generator steps cost
 # more CPU after each of its throttle's pauses than back to back (exp/bench_throttle.py). A type is profiled beside
-# CO_LOAD peer processes (default: the cluster's ranks less one), each a rollout replica decoding under the type's
-# throttle, as a run's other ranks are busy beside each of its ranks on this host (`schedule.py profile --co-load`).
+# CO_LOAD peer processes (default: the cluster's ranks less one) under the type's throttle, as a run's other ranks are
+# busy beside each of its ranks on this host (`schedule.py profile --co-load`): CO_LOAD_TRAINERS of them (default:
+# half the cluster's ranks, the trainers beside a rollout rank in an even split) train, the rest decode.
 # Each type is priced at its fractions of its own profile; with PROFILE, every type at its fractions of that one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -41,10 +42,11 @@ if [[ -z "$PROFILE" ]]; then
   PROFILES+=(--profile "$OUT/profile.yaml")
   ranks=$("$PYTHON" -c "import sys, yaml; print(sum(m['gpus'] * m.get('count', 1) for m in yaml.safe_load(open(sys.argv[1]))['machines']))" "$CLUSTER")
   CO_LOAD="${CO_LOAD:-$((ranks - 1))}"
+  CO_LOAD_TRAINERS="${CO_LOAD_TRAINERS:-$((ranks / 2 < CO_LOAD ? ranks / 2 : CO_LOAD))}"
   for type in $("$PYTHON" -c "import sys, yaml; print(' '.join(yaml.safe_load(open(sys.argv[1]))['gpu_types']))" "$CLUSTER"); do
     [[ -e "$OUT/profile_$type.yaml" ]] \
       || "$PYTHON" schedule.py profile --cluster "$CLUSTER" --gpu-type "$type" --nominal measured --co-load "$CO_LOAD" \
-        --out "$OUT/profile_$type.yaml"
+        --co-load-trainers "$CO_LOAD_TRAINERS" --out "$OUT/profile_$type.yaml"
     PROFILES+=(--profile "$OUT/profile_$type.yaml")
   done
 else

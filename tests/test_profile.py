@@ -344,18 +344,18 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
 
 
 def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
-    """`schedule.py profile --gpu-type h800ish --co-load 1` on the emulated cluster: the Generator's steps are padded
-    by the type's throttle (it slept) beside a peer that decoded meanwhile, the profile records the fractions and the
-    co-load, and it prices that type only."""
+    """`schedule.py profile --gpu-type h800ish --co-load 2 --co-load-trainers 1` on the emulated cluster: the
+    Generator's steps are padded by the type's throttle (it slept) beside a peer that trained and one that decoded
+    meanwhile, the profile records the fractions and the co-load, and it prices that type only."""
     spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
     spec["gpu_types"]["h800ish"]["emulate"] = {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}  # mild: a short test
     cluster = write(tmp_path, spec, "hetero.yaml")
     out = tmp_path / "h800ish.yaml"
-    r = run_profile(cluster, "h800ish", 8, out, "--co-load", "1")
-    assert "under its throttle" in r.stdout and "co-load: 1 peer decoding" in r.stdout
+    r = run_profile(cluster, "h800ish", 8, out, "--co-load", "2", "--co-load-trainers", "1")
+    assert "under its throttle" in r.stdout and "co-load: 2 peers (1 training, 1 decoding 8 rows)" in r.stdout
     doc = yaml.safe_load(out.read_text())
-    assert doc["co_load"]["peers"] == 1 and len(doc["co_load"]["peer_steps"]) == 1
-    assert doc["co_load"]["peer_steps"][0] > 0  # it decoded while the points were measured
+    assert doc["co_load"]["peers"] == 2 and doc["co_load"]["trainers"] == 1 and len(doc["co_load"]["peer_steps"]) == 2
+    assert all(n > 0 for n in doc["co_load"]["peer_steps"])  # each trained or decoded while the points were measured
     assert doc["emulate"] == {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}
     assert doc["throttle_slept_s"]["bandwidth"] > 0 and doc["throttle_slept_s"]["compute"] > 0
     assert "sync" not in doc  # the link is padded by its wall time, exactly: not measured under the throttle
@@ -375,11 +375,11 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
 
     import device_profile as dp
 
-    load = dp._co_load(2, dp.NULL_MODEL, (2, 8, 4), None, lambda *_: None)
+    load = dp._co_load(3, dp.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64))
     time.sleep(1.0)
     procs = list(load.procs)
     steps = load.close()
-    assert len(steps) == 2 and all(n > 0 for n in steps), steps
+    assert len(steps) == 3 and all(n > 0 for n in steps), steps  # the train peer too
     assert all(not p.is_alive() for p in procs)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
@@ -387,8 +387,9 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert time.monotonic() - t0 < 120  # not the start timeout's 300 s
 
 
-def test_profile_rejects_a_negative_co_load():
+def test_profile_rejects_a_negative_co_load_and_more_trainers_than_peers():
     assert sc.main(["profile", "--co-load", "-1"]) != 0
+    assert sc.main(["profile", "--co-load", "1", "--co-load-trainers", "2"]) != 0
 
 
 # ----------------------------------------------------------------------------- the paper's H800 / H20 profiles
