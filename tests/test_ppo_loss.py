@@ -3,6 +3,7 @@ vocab-parallel log-probs/entropy (2 gloo processes) against the full-vocab versi
 
 import math
 import os
+import sys
 import tempfile
 
 import numpy as np
@@ -285,8 +286,12 @@ def _vocab_parallel_worker(rank: int, world: int, init_file: str, out_dir: str):
         },
         os.path.join(out_dir, f"{rank}.pt"),
     )
+    # gloo ranks can abort in interpreter teardown ("terminate called without an active exception"): leave at once
     dist.barrier()
     dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def test_vocab_parallel_matches_full_vocab():
