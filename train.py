@@ -116,19 +116,17 @@ def init_distributed(cfg: Config) -> torch.device:
     return torch.device("cpu")
 
 
-def share_device(cfg: Config, plan: dict, groups, device: torch.device) -> None:
+def share_device(cfg: Config, groups, device: torch.device) -> None:
     """Colocated mode on a GPU: cap this role's process at its share of the device. gloo runs all_reduce and
     broadcast on CUDA tensors but not the trainer's gathers, reduce-scatters and pipeline sends, nor a TP replica's
     gathers: the colocated GPU mode takes one train rank and single-GPU replicas (on CPU any layout runs)."""
     if device.type != "cuda":
         return
-    train = plan["train"]
-    if train["dp"] * train["tp"] * train["pp"] > 1 or any(
-        r["tp"] * r.get("pp", 1) > 1 for r in plan["rollout"]["replicas"]
-    ):
+    # the groups as built: a plan without a rollout section has one single-rank replica per rollout rank
+    if groups.dp * groups.tp * groups.pp > 1 or any(r.tp > 1 for r in groups.replicas):
         raise SetupError(
             "dist.colocate on a GPU runs every group on gloo, which cannot gather CUDA tensors: it needs one train "
-            f"rank (this plan: dp={train['dp']} tp={train['tp']} pp={train['pp']}) and rollout replicas of TP 1"
+            f"rank (this plan: dp={groups.dp} tp={groups.tp} pp={groups.pp}) and rollout replicas of TP 1"
         )
     fraction = {"train": cfg.dist.train_memory_fraction, "rollout": cfg.dist.rollout_memory_fraction}.get(groups.role)
     if fraction:
@@ -917,7 +915,7 @@ def main(argv: list[str]) -> int:
         raise SetupError(f"data: {e}") from None
     head = groups.train_ranks[0]
     if cfg.dist.colocate:
-        share_device(cfg, plan, groups, device)
+        share_device(cfg, groups, device)
 
     if groups.role == "idle":
         wait_idle(head)

@@ -197,3 +197,36 @@ def test_colocated_mode_shares_one_device_and_trains_exactly_once(tmp_path, tiny
     assert all(m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"] > 0 for m in steps), steps
     assert all(m["weight_sync_handover"] == "shared" for m in steps), steps
     check_ledger([json.loads(line) for line in open(run / "ledger.jsonl")], 1, 3, batch=2 * 4)
+
+
+def test_colocated_gpu_caps_each_role_and_refuses_layouts_gloo_cannot_run(monkeypatch):
+    """share_device on a (pretend) GPU: a default plan (no rollout section: one single-rank replica per rollout
+    rank) caps each role at its memory fraction; a train layout of more than one rank, or a TP rollout replica, is
+    one SetupError naming the layout (gloo cannot gather CUDA tensors)."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from config import load_config
+    from parallel.rankmap import RolloutReplica
+    from train import SetupError, share_device
+
+    caps = []
+    monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: caps.append((f, device)))
+    cfg = load_config(["config=gpu_single"])
+    gpu = torch.device("cuda", 0)
+    one = [RolloutReplica(0, [0], 1.0)]
+    for role, fraction in (("train", cfg.dist.train_memory_fraction), ("rollout", cfg.dist.rollout_memory_fraction)):
+        share_device(cfg, SimpleNamespace(role=role, dp=1, tp=1, pp=1, replicas=one), gpu)
+        assert caps[-1] == (fraction, gpu) and fraction > 0
+    bad = [
+        (dict(dp=2, tp=1, pp=1, replicas=one), "dp=2"),
+        (dict(dp=1, tp=1, pp=2, replicas=one), "pp=2"),
+        (dict(dp=1, tp=1, pp=1, replicas=[RolloutReplica(0, [0, 1], 1.0)]), "rollout replicas of TP 1"),
+    ]
+    for layout, named in bad:
+        with pytest.raises(SetupError, match=named):
+            share_device(cfg, SimpleNamespace(role="train", **layout), gpu)
+    before = len(caps)  # on CPU every layout runs colocated and nothing is capped
+    share_device(cfg, SimpleNamespace(role="train", dp=2, tp=1, pp=1, replicas=one), torch.device("cpu"))
+    assert len(caps) == before
