@@ -643,6 +643,20 @@ def counter_uniform(seeds, counters):
     return uniform_from_hash(seed_hash(seeds), counters)
 
 
+@torch.library.custom_op("hexrl::cumsum_last_dim", mutates_args=())
+def cumsum_last_dim(x: torch.Tensor) -> torch.Tensor:
+    """ATen's cumsum over the last dim, opaque to torch.compile. Inductor would lower the sampler's CDF over a
+    large vocabulary (151,936 rows for Qwen2) into a split-scan kernel, and torch 2.11 fuses the greedy argmax into
+    that kernel, which it cannot generate ("NYI TritonSplitDimKernel reductions"). As an opaque op the compiled
+    step calls the kernel eager calls: the same CDF, bit for bit, compiled or not, and capturable in a CUDA graph."""
+    return torch.cumsum(x, dim=-1)
+
+
+@cumsum_last_dim.register_fake
+def _(x: torch.Tensor) -> torch.Tensor:
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
 def sample_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor | float,
@@ -655,8 +669,8 @@ def sample_tokens(
     """Draw one token per row and return (tokens, logprobs); rows with temperature 0 are greedy.
 
     logits [B, V] fp32; temperature [B] fp32, or one float for all rows; top_p [B] fp32 and top_k [B]
-    int64 (V when disabled), needed only with `truncate`; u [B] fp64. Sampling inverts the CDF at u.
-    With `truncate` the vocabulary is sorted and cut by top-k, then top-p of the renormalised
+    int64 (V when disabled), needed only with `truncate`; u [B] fp64. Sampling inverts the CDF, in vocabulary
+    order, at u. With `truncate` the tokens are ranked and cut by top-k, then top-p of the renormalised
     remainder (the order HF applies them); logprobs are never truncated. `greedy_rows` = (all rows greedy, any
     row greedy) when the caller knows them (the generator does, from the params): then nothing here reads a device
     value on the host, so the sampler runs without a sync and can sit in a captured CUDA graph.
@@ -672,22 +686,24 @@ def sample_tokens(
     tokens = logits.argmax(dim=-1) if any_greedy else None
     if not all_greedy:
         vocab = logits.shape[1]
-        if truncate:
-            sorted_logp, order = torch.sort(logp, dim=-1, descending=True)
-            probs = sorted_logp.exp()
+        probs = logp.exp()
+        if truncate:  # which tokens top-k and top-p keep is decided in rank order, then applied in vocabulary order
+            sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
             rank = torch.arange(vocab, device=logits.device)
-            probs = probs * (rank.unsqueeze(0) < top_k.unsqueeze(1))
-            cum = probs.cumsum(dim=-1)
-            mass_before = cum - probs  # keep a token while the mass ranked above it < top_p
+            in_top_k = rank.unsqueeze(0) < top_k.unsqueeze(1)
+            ranked = sorted_probs * in_top_k
+            cum = cumsum_last_dim(ranked)
+            mass_before = cum - ranked  # keep a token while the mass ranked above it < top_p
             in_nucleus = (mass_before < top_p.unsqueeze(1) * cum[:, -1:]) | (top_p >= 1.0).unsqueeze(1)
-            probs = probs * in_nucleus  # (top_p = 1 keeps even the tail that fp32 cumsum rounds away)
-        else:
-            probs = logp.exp()
-        cdf = probs.cumsum(dim=-1)
+            # (top_p = 1 keeps even the tail that fp32 cumsum rounds away)
+            probs = probs * torch.zeros_like(in_top_k).scatter_(1, order, in_top_k & in_nucleus)
+        # The CDF runs in vocabulary order for every row: a row's draw is a function of its distribution and its u
+        # alone, whatever the other rows of the batch ask for (a row without top-k / top-p draws the same token in
+        # a batch that truncates as in one that does not).
+        cdf = cumsum_last_dim(probs)
         total = cdf[:, -1]
         target = torch.minimum((u * total.double()).to(cdf.dtype), torch.nextafter(total, torch.zeros_like(total)))
-        idx = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
-        drawn = order.gather(1, idx.unsqueeze(1)).squeeze(1) if truncate else idx
+        drawn = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1).clamp_(max=vocab - 1)
         tokens = drawn if tokens is None else torch.where(greedy, tokens, drawn)
     return tokens, logp.gather(1, tokens.unsqueeze(1)).squeeze(1)
 
@@ -1044,6 +1060,7 @@ class Generator:
         if use_flash_attn and (flash_attn_with_kvcache is None or self.device.type != "cuda"):
             raise ValueError("use_flash_attn=True needs the flash_attn package and a CUDA model")
         on_gpu = self.device.type == "cuda"
+        asked_attention = decode_attention
         if decode_attention == "auto":  # FlexAttention in the compiled GPU step, else the gathered matmuls (see docs)
             flex_ok = on_gpu and compile_decode and flex_attention is not None and not use_flash_attn
             decode_attention = "flex" if flex_ok else "gather"
@@ -1140,6 +1157,16 @@ class Generator:
                 f"the KV pool holds {self.kv_pool.num_blocks} blocks of {bs} tokens; one sequence of max_seq_len "
                 f"{max_seq_len} needs {self.max_blocks}: raise kv_cache_tokens or kv_cache_fraction"
             )
+        # flex's Triton kernels tile the pool's blocks and the head dim with matmuls at least 16 deep, in
+        # power-of-two tiles of at most 64 KV rows: on a GPU the blocks must be cut in such tiles
+        flex_tiles = bs >= 16 and (bs & (bs - 1) == 0 or bs % 64 == 0) and self.head_dim >= 16
+        if on_gpu and self.decode_attention == "flex" and not flex_tiles:
+            if asked_attention == "flex":
+                raise ValueError(
+                    f"decode_attention='flex' on a GPU needs kv_block_size a power of two >= 16 or a multiple of 64 "
+                    f"and head_dim >= 16, got kv_block_size {bs}, head_dim {self.head_dim}"
+                )
+            self.decode_attention = "gather"
         if use_flash_attn and bs % 256:
             raise ValueError(f"use_flash_attn: flash-attn's paged kernel needs kv_block_size % 256 == 0, got {bs}")
         if not 0 <= kv_seq_tokens <= max_seq_len:
@@ -1476,7 +1503,7 @@ class Generator:
         return mask_mod
 
     def _flex_block_mask(self, positions: torch.Tensor, window: int | None):
-        """The block mask of one decode step: slot b (one query row) visits the first positions[b] // bs + 1 blocks
+        """The block mask of one decode step: slot b (its query rows: one per query head of a KV head) visits the first positions[b] // bs + 1 blocks
         of its block table, in place in the pool (the kernel's KV tiles are the pool's blocks), and the mask_mod
         cuts the last one at its position. Nothing is gathered; a free block is never visited."""
         b, bs = positions.shape[0], self.block_size
@@ -1486,7 +1513,7 @@ class Generator:
             self.block_table[:b].view(b, 1, 1, -1),
             BLOCK_SIZE=(128, bs),
             mask_mod=self._flex_mask_mods[window],
-            seq_lengths=(1, (self.kv_pool.num_blocks + 1) * bs),
+            seq_lengths=(self.n_heads // self.n_kv_heads, (self.kv_pool.num_blocks + 1) * bs),
             compute_q_blocks=False,
         )
 
@@ -1537,8 +1564,10 @@ class Generator:
         if self.decode_attention == "flex":  # the pool layer as one sequence of rows shared by every slot (batch 1)
             keys, values = (self._pool_layer(j, i).reshape(1, kv, -1, self.head_dim) for j in (0, 1))
             attend = flex_attention if self.static_decode or self.device.type == "cpu" else _compiled_flex()
-            out = attend(q, keys, values, block_mask=mask, scale=self.scale, enable_gqa=group > 1)
-            return out.transpose(1, 2).reshape(b, 1, -1)
+            # GQA as query rows: a KV head's `group` query heads are `group` query rows of that head, so flex runs
+            # its decoding kernel (which takes only power-of-two GQA ratios) and reads each KV block once per KV head
+            out = attend(q.reshape(b, kv, group, self.head_dim), keys, values, block_mask=mask, scale=self.scale)
+            return out.reshape(b, 1, -1)
         # GQA without repeating K/V: the `group` query heads of one KV head become `group` query rows.
         # Written out, not SDPA: for one query row per head SDPA's masked path costs more than the math.
         qg = q.reshape(b, kv, group, self.head_dim).transpose(0, 1).reshape(kv * b, group, self.head_dim)

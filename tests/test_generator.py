@@ -306,6 +306,24 @@ def test_counter_uniform_is_a_pure_function_in_range():
     ).tolist()
 
 
+def test_a_rows_draw_does_not_depend_on_other_rows_truncating():
+    """A row without top-k / top-p draws the same token in a batch where another row truncates as alone: the CDF
+    runs in vocabulary order for every row (at u near 0 a sorted CDF would give the most probable token, the
+    vocabulary-order one the first token with mass; async decode, buckets and preemption change which rows share a
+    step, so a batch-dependent draw changed the tokens a request got)."""
+    gen = torch.Generator().manual_seed(4)
+    logits = torch.randn(8, 50, generator=gen) * 3
+    u = torch.cat([torch.tensor([1e-10, 1 - 1e-10], dtype=torch.float64), counter_uniform(torch.arange(6), 0)])
+    alone, alone_logp = sample_tokens(logits, torch.ones(8), None, None, u, truncate=False)
+    top_p, top_k = torch.ones(8), torch.full((8,), 50)
+    top_p[-1], top_k[-2] = 0.5, 3  # the last two rows truncate
+    mixed, mixed_logp = sample_tokens(logits, torch.ones(8), top_p, top_k, u, truncate=True)
+    assert torch.equal(alone[:-2], mixed[:-2]) and torch.equal(alone_logp[:-2], mixed_logp[:-2])
+    assert alone[0] == 0 and alone[1] == 49  # u at the ends of the CDF: the first and the last token with mass
+    kept = logits[-2].topk(3).indices.tolist()
+    assert mixed[-2].item() in kept
+
+
 @pytest.mark.parametrize("temperature", [1.0, 0.7, 0.0])
 def test_one_temperature_for_all_rows_samples_like_per_row_temperatures(temperature):
     logits = torch.randn(6, 50, generator=torch.Generator().manual_seed(3)) * 4
