@@ -10,6 +10,8 @@
 #
 #   OUT=exp/gpu_logs/h200 bash exp/gpu_check.sh   # logs: $OUT/{env.txt,test_gpu.log,colocated*,memory.log,handover.log,bench.log}
 #   GPU_CHECK_ON_CPU=1 OUT=/tmp/dry bash exp/gpu_check.sh  # dry run on CPU (CUDA hidden, shorter runs, no gain check)
+#   WHEELS=.whl bash exp/gpu_check.sh   # a GPU machine without network: install the wheels in .whl (the packages
+#                                       # requirements.txt adds to a CUDA image, e.g. datasets, math-verify) first
 #
 # Multi-GPU paths (NCCL between rollout and train ranks) need >= 2 GPUs: exp/gpu_single_node.sh. Each stage has its
 # own time limit and a failing stage does not stop the next one; the exit code says whether all passed.
@@ -18,6 +20,11 @@ cd "$(dirname "${BASH_SOURCE[0]}")/.."
 OUT="${OUT:-runs/gpu_check}"
 PYTHON="${PYTHON:-python3}"
 mkdir -p "$OUT"
+if [[ -n "${WHEELS:-}" ]]; then  # into a private folder: the image's own packages stay as they are
+  "$PYTHON" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/gpu_check_site \
+    "$WHEELS"/*.whl || { echo "error: could not install the wheels in $WHEELS" >&2; exit 2; }
+  export PYTHONPATH="/tmp/gpu_check_site${PYTHONPATH:+:$PYTHONPATH}"
+fi
 export HF_HUB_OFFLINE=1 HF_DATASETS_OFFLINE=1 WANDB_MODE=disabled PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
 TRAIN_S="${TRAIN_S:-90}"  # training seconds of the colocated run
 MIN_GAIN="${MIN_GAIN:-20}"
@@ -47,12 +54,17 @@ gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
 nccl = ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-"
 print(f"torch {torch.__version__} (CUDA {torch.version.cuda}), transformers {transformers.__version__}, "
       f"flash_attn {'installed' if importlib.util.find_spec('flash_attn') else 'not installed'}, NCCL {nccl}, GPU {gpu}")
+import importlib.metadata as md
+import datasets, math_verify  # noqa: F401  (train.py's task data and reward: a missing one fails here, named)
+print(", ".join(f"{p} {md.version(p)}" for p in ("datasets", "pyarrow", "math-verify")))
 PY
+[[ ${PIPESTATUS[0]} == 0 ]] || { echo "error: a package train.py needs is missing (see above; WHEELS=...)" >&2; exit 2; }
 
-# Phase 1 runs three jobs at once (the GPU has the memory and the host the cores; none of them is a timing):
-# the GPU tests, the colocated runs, the 1.5B memory step. Phase 2 then runs the two timings alone on the GPU.
-# Stage limits keep the whole call within ~8 minutes: phase 1 <= 270 s, phase 2 <= 60 + 150 s.
-stage() { echo "== $1"; }
+# Three phases, each stage under its own time limit (a failing stage does not stop the next): the rollout benchmark
+# alone on the GPU (a timing; its warm-up compiles a CUDA graph per decode bucket); then three jobs at once (the GPU
+# has the memory and the host the cores; none of them is a timing): the GPU tests, the colocated runs, the 1.5B
+# memory step; then the hand-over timing alone. Limits: 240 + 270 + 60 s, so the call ends within ~10 minutes.
+stage() { echo "== $1 [at ${SECONDS} s]"; }
 
 gpu_tests() {
   timeout "${TEST_TIMEOUT:-270}" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=8 tests/test_gpu.py
@@ -83,14 +95,19 @@ memory_step() {
   return "${PIPESTATUS[0]}"
 }
 
-stage "phase 1, at once: tests/test_gpu.py | colocated runs (gpu_single) | one gpu_r1_1.5b train step vs exp/estimate_memory.py"
+status=0
+stage "phase 1: exp/bench_rollout.py ${BENCH_ARGS[*]}"
+timeout "${BENCH_TIMEOUT:-240}" "$PYTHON" exp/bench_rollout.py "${BENCH_ARGS[@]}" 2>&1 | grep -v "^Loading weights" \
+  | tee "$OUT/bench.log"
+[[ ${PIPESTATUS[0]} == 0 ]] || status=1
+
+stage "phase 2, at once: tests/test_gpu.py | colocated runs (gpu_single) | one gpu_r1_1.5b train step vs exp/estimate_memory.py"
 gpu_tests > "$OUT/test_gpu.log" 2>&1 &
 tests_pid=$!
 colocated_runs > "$OUT/colocated_stage.log" 2>&1 &
 colocated_pid=$!
 memory_step > "$OUT/memory.log" 2>&1 &
 memory_pid=$!
-status=0
 for job in "tests/test_gpu.py:$tests_pid:test_gpu.log" "colocated runs:$colocated_pid:colocated_stage.log" \
   "memory:$memory_pid:memory.log"; do
   IFS=: read -r name pid log <<< "$job"
@@ -99,14 +116,9 @@ for job in "tests/test_gpu.py:$tests_pid:test_gpu.log" "colocated runs:$colocate
   tail -25 "$OUT/$log"
 done
 
-stage "phase 2: weight hand-over, train rank -> rollout rank on one device, pinned host (wire) vs CUDA IPC (shared)"
+stage "phase 3: weight hand-over, train rank -> rollout rank on one device, pinned host (wire) vs CUDA IPC (shared)"
 timeout "${HANDOVER_TIMEOUT:-60}" "$PYTHON" exp/bench_weight_sync.py "${HANDOVER_ARGS[@]}" 2>&1 \
   | grep -v "^Loading weights" | tee "$OUT/handover.log"
 [[ ${PIPESTATUS[0]} == 0 ]] || status=1
-
-stage "phase 2: exp/bench_rollout.py ${BENCH_ARGS[*]}"
-timeout "${BENCH_TIMEOUT:-150}" "$PYTHON" exp/bench_rollout.py "${BENCH_ARGS[@]}" 2>&1 | grep -v "^Loading weights" \
-  | tee "$OUT/bench.log"
-[[ ${PIPESTATUS[0]} == 0 ]] || status=1
-echo "gpu_check: $([[ $status == 0 ]] && echo all stages passed || echo SOME STAGE FAILED) (logs in $OUT)"
+stage "gpu_check: $([[ $status == 0 ]] && echo all stages passed || echo SOME STAGE FAILED) (logs in $OUT)"
 exit $status

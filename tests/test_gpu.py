@@ -229,19 +229,21 @@ def test_flex_async_bucketed_decode_on_cuda_matches_the_gathered_sync_path(compi
     from test_generator import mixed_requests, pool_is_empty, run_streaming
 
     model = make_model("mistral", seed=50).to(CUDA)  # GQA and a sliding window shorter than the sequences
-    free = Generator(model, max_batch_size=4, max_seq_len=40).generate(
+    free = Generator(model, max_batch_size=4, max_seq_len=64).generate(
         PROMPTS, SamplingParams(temperature=0, max_new_tokens=8)
     )
     prompts, params = mixed_requests(stop=free[0].token_ids[3])
+    # sequences of up to four blocks of 16 (flex's smallest GPU tile) on a pool of five: it preempts
+    params = [dataclasses.replace(p, max_new_tokens=p.max_new_tokens + 40) for p in params]
     if compile_decode:  # one sampler variant (top-p), so a graph per bucket only: compiles cost the GPU's lease
         params = [dataclasses.replace(p, temperature=1.0, top_p=0.9, top_k=-1) for p in params]
-    pool = dict(kv_block_size=4, kv_cache_tokens=80, kv_seq_tokens=12)
+    pool = dict(kv_block_size=16, kv_cache_tokens=80, kv_seq_tokens=16)
     shipped = Generator(
-        model, max_batch_size=4, max_seq_len=40, compile_decode=compile_decode, decode_attention="flex", **pool
+        model, max_batch_size=4, max_seq_len=64, compile_decode=compile_decode, decode_attention="flex", **pool
     )
     assert shipped.async_decode and shipped.decode_buckets and shipped.buckets == [1, 2, 4]
     plain = Generator(
-        model, max_batch_size=4, max_seq_len=40, decode_attention="gather", async_decode=False, decode_buckets=False
+        model, max_batch_size=4, max_seq_len=64, decode_attention="gather", async_decode=False, decode_buckets=False
     )
     ours, ref = run_streaming(shipped, prompts, params), run_streaming(plain, prompts, params)
     for i, prompt in enumerate(prompts):
@@ -250,6 +252,12 @@ def test_flex_async_bucketed_decode_on_cuda_matches_the_gathered_sync_path(compi
         full = full_forward_logprobs(model, prompt, ours[i].token_ids, temperature=params[i].temperature or 1.0)
         assert max(abs(a - b) for a, b in zip(ours[i].logprobs, full)) < 1e-4
     assert shipped.stats.preemptions > 0 and pool_is_empty(shipped)
+    # blocks Triton cannot tile: flex is refused when asked for, and auto takes the gathered path
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        Generator(model, max_batch_size=4, max_seq_len=64, decode_attention="flex", kv_block_size=4)
+    assert Generator(
+        model, max_batch_size=4, max_seq_len=64, compile_decode=True, kv_block_size=4
+    ).decode_attention == ("gather")
 
 
 def test_async_decode_steps_do_not_sync_with_the_device():

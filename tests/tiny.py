@@ -17,7 +17,8 @@ ENV = {
     "HF_HUB_OFFLINE": "1",
     "HF_DATASETS_OFFLINE": "1",
     "WANDB_MODE": "disabled",
-    "PYTHONPATH": str(ROOT),
+    # the repo first, then whatever the caller had (gpu_check.sh puts carried wheels there)
+    "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
     "OMP_NUM_THREADS": "1",
 }
 
