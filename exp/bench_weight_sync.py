@@ -252,9 +252,10 @@ def report(results: dict, args) -> None:
     xs = [predict(results[k]["buckets"], cm.Efficiency(link_eff=1.0, sync_latency_s=0.0)) for k in ("fit-a", "fit-b")]
     ys = [results[k]["seconds"]["runtime"] for k in ("fit-a", "fit-b")]
     slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
-    eff = cm.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0]))
     bench = results["bench"]
-    predicted = predict(bench["buckets"], eff)
+    # the two small models can both be latency-bound (on a GPU, ~0.1 s each): no bandwidth to fit, no prediction
+    eff = cm.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0])) if slope > 0 else None
+    predicted = predict(bench["buckets"], eff) if eff else None
     before, runtime = bench["seconds"].get("before"), bench["seconds"]["runtime"]
     print(
         f"weight sync: 1 train rank -> {args.replicas} rollout replicas on one machine "
@@ -269,10 +270,13 @@ def report(results: dict, args) -> None:
         for path, s in r["seconds"].items():
             mb = r["sent"][path] / 1e6
             print(f"{name:>6} {r['params'] / 1e6:7.1f}M {path:>8} {mb:8.1f} {s:10.3f} {mb / 1e3 / s:6.2f}")
-    print(
-        f"fitted on fit-a/fit-b: achieved {eff.link_eff:.2f} GB/s (planner link at 1 GB/s nominal), "
-        f"latency {eff.sync_latency_s * 1e3:.1f} ms"
-    )
+    if eff:
+        print(
+            f"fitted on fit-a/fit-b: achieved {eff.link_eff:.2f} GB/s (planner link at 1 GB/s nominal), "
+            f"latency {eff.sync_latency_s * 1e3:.1f} ms"
+        )
+    else:
+        print(f"fit-a/fit-b took {ys[0]:.3f} s and {ys[1]:.3f} s: latency-bound, no bandwidth fitted, no prediction")
     shared = bench["seconds"].get("shared")
     if shared:
         faster = "shared" if shared < runtime else "wire"
@@ -281,10 +285,12 @@ def report(results: dict, args) -> None:
             f"({runtime / shared:.2f}x): {faster} is faster"
         )
     versus = f" vs before {before:.3f} s = {before / runtime:.2f}x faster" if before else ""
-    print(
-        f"bench ({bench['params'] / 1e6:.1f}M params, {args.device}): runtime {runtime:.3f} s{versus}; planner "
-        f"predicts {predicted:.3f} s ({(runtime - predicted) / predicted * 100:+.1f}% measured vs predicted)"
+    prediction = (
+        f"planner predicts {predicted:.3f} s ({(runtime - predicted) / predicted * 100:+.1f}% measured vs predicted)"
+        if predicted
+        else "no prediction"
     )
+    print(f"bench ({bench['params'] / 1e6:.1f}M params, {args.device}): runtime {runtime:.3f} s{versus}; {prediction}")
     print(f"every replica bitwise the trainer's weights in {args.dtype}: {all(results['bitwise'])}")
     print(
         "SUMMARY "
@@ -298,7 +304,7 @@ def report(results: dict, args) -> None:
                 "shared_s": shared,
                 "faster_handover": ("shared" if shared < runtime else "wire") if shared else None,
                 "predicted_s": predicted,
-                "error": (runtime - predicted) / predicted,
+                "error": (runtime - predicted) / predicted if predicted else None,
                 "bitwise": all(results["bitwise"]),
             }
         )
