@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every single-GPU check in one call (a lent GPU's time is short, ~8 min in all): the environment, tests/test_gpu.py
+# Every single-GPU check in one call (a lent GPU's time is short: <= ~10 min in all): the environment, tests/test_gpu.py
 # (CUDA fp32 exactness, bf16, CUDA-graph decode and weight swaps, the trainer on CUDA, a colocated run), the
 # colocated end-to-end run of the tiny model (exp/configs/gpu_single.yaml: a rollout and a train rank on this one GPU; it
 # must learn >= 20 points within ~3 min of training, within the staleness bound, exactly once), an eta = 0 run
