@@ -1045,7 +1045,7 @@ class Generator:
         kv_seq_tokens: int = 0,
         async_decode: bool | None = None,
         decode_attention: str = "auto",
-        decode_buckets: bool | None = None,
+        decode_buckets: bool | Sequence[int] | None = None,
     ):
         config = model.config
         model_type = getattr(config, "model_type", None)
@@ -1204,11 +1204,21 @@ class Generator:
         self.stats = GeneratorStats()
 
         # A compiled decode step needs static shapes: every block of the tables, and a batch width from a few buckets
-        # (powers of two up to max_batch_size): the running slots are padded to the smallest bucket that holds them,
-        # so a CUDA graph is captured per bucket and a small tail batch does not pay for max_batch_size rows.
+        # (powers of two up to max_batch_size, or the widths given as decode_buckets): the running slots are padded
+        # to the smallest bucket that holds them, so a CUDA graph is captured per bucket and a small tail batch does
+        # not pay for max_batch_size rows. Each bucket is a compile of the whole step (tens of seconds for a
+        # 28-layer model on a GPU): fewer widths compile faster and pad more.
         self.static_decode = compile_decode
+        if isinstance(decode_buckets, (list, tuple)):
+            if not decode_buckets or min(decode_buckets) < 1:
+                raise ValueError(f"decode_buckets: batch widths >= 1, got {list(decode_buckets)}")
+            self.buckets = sorted({min(int(w), self.max_batch_size) for w in decode_buckets} | {self.max_batch_size})
+            decode_buckets = True
+        else:
+            self.buckets = sorted(
+                {min(1 << i, self.max_batch_size) for i in range(self.max_batch_size.bit_length() + 1)}
+            )
         self.decode_buckets = (compile_decode or on_gpu) if decode_buckets is None else decode_buckets
-        self.buckets = sorted({min(1 << i, self.max_batch_size) for i in range(self.max_batch_size.bit_length() + 1)})
         self._decode_step = self._decode_and_sample
         if compile_decode or on_gpu and decode_attention == "flex":
             # a graph per bucket (x the few sampler variants: greedy / sampled / truncated); past dynamo's default

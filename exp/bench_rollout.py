@@ -340,6 +340,11 @@ def main() -> None:
     )
     ap.add_argument("--async-decode", default="auto", choices=["auto", "always", "never"], help="auto: on a GPU")
     ap.add_argument("--buckets", default="auto", choices=["auto", "always", "never"], help="auto: on a GPU")
+    ap.add_argument(
+        "--bucket-widths",
+        default="",
+        help="decode batch widths to pad to, e.g. 1,16,64,256 (default: powers of two); each is one compile on a GPU",
+    )
     ap.add_argument("--decode-attention", default="auto", choices=["auto", "gather", "flex"], help="auto: flex on GPU")
     ap.add_argument("--requests", type=int, default=256, help="RL workload size (prompts x 4 samples)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
@@ -385,7 +390,7 @@ def main() -> None:
     ours_options = dict(
         **gpu_options(device, args.compile, args.flash_attn),
         async_decode=auto[args.async_decode],
-        decode_buckets=auto[args.buckets],
+        decode_buckets=[int(w) for w in args.bucket_widths.split(",")] if args.bucket_widths else auto[args.buckets],
         decode_attention=args.decode_attention,
     )
     print(
@@ -444,9 +449,14 @@ def main() -> None:
             # warm-up: one short batch per decode width, so every bucket's graph is compiled before the timed runs
             t0 = time.perf_counter()
             widths = gen.buckets if gen.decode_buckets else [min(4, args.slots)]
+            took = []
             for width in widths:
+                t1 = time.perf_counter()
                 run_ours(gen, (prompts * width)[:width], [3] * width, temperature, wl_stop)
-            print(f"  {name:10s} {workload:6s} ours warm-up at widths {widths}: {time.perf_counter() - t0:.1f} s")
+                took.append(f"{width}: {time.perf_counter() - t1:.1f} s")
+            print(
+                f"  {name:10s} {workload:6s} ours warm-up {time.perf_counter() - t0:.1f} s (width: s) {', '.join(took)}"
+            )
             run_hf(hf_model, prompts[:4], [8] * 4, temperature, wl_stop, args.slots, 0)
             best: dict[str, tuple[int, float, int, int]] = {}
             for _ in range(args.repeats):  # alternate engines; keep each one's fastest run (shared CPUs are noisy)

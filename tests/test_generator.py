@@ -904,16 +904,17 @@ def test_async_decode_returns_a_stopped_request_one_step_later():
 
 
 def test_decode_buckets_pad_the_batch_without_changing_results():
-    """decode_buckets pads the running rows to the smallest power of two (or max_batch_size) that holds them -- the
-    shapes a compiled step captures one graph for -- and the padding changes no token or log-prob."""
+    """decode_buckets pads the running rows to the smallest power of two (or max_batch_size, or of the widths given)
+    that holds them -- the shapes a compiled step captures one graph for -- and the padding changes no token or
+    log-prob."""
     model = make_model("qwen2", seed=43)
     prompts, params = mixed_requests(stop=None)
     # one request per slot, the tail draining from the highest slot down: 6 slots in use, then 5, ... 1
     prompts, params = prompts[:6], [dataclasses.replace(p, max_new_tokens=24 - 4 * i) for i, p in enumerate(params[:6])]
     results, widths = {}, {}
-    for buckets in (False, True):
+    for buckets in (False, True, (3, 99)):  # given widths: capped at max_batch_size, which is always one
         gen = Generator(model, max_batch_size=6, max_seq_len=40, decode_buckets=buckets)
-        assert gen.buckets == [1, 2, 4, 6]
+        assert gen.buckets == ([3, 6] if buckets == (3, 99) else [1, 2, 4, 6])
         for i, (p, sp) in enumerate(zip(prompts, params)):
             gen.add_request(i, p, sp)
         outs, seen = {}, set()
@@ -922,10 +923,13 @@ def test_decode_buckets_pad_the_batch_without_changing_results():
             if gen.stats.decode_steps:
                 seen.add(gen.decode_width)
         results[buckets], widths[buckets] = outs, seen
-    assert widths[True] == {1, 2, 4, 6} and widths[False] == {1, 2, 3, 4, 5, 6}
-    for i in results[False]:
-        assert results[False][i].token_ids == results[True][i].token_ids
-        assert max(abs(x - y) for x, y in zip(results[False][i].logprobs, results[True][i].logprobs)) < 1e-5
+    assert widths[True] == {1, 2, 4, 6} and widths[False] == {1, 2, 3, 4, 5, 6} and widths[(3, 99)] == {3, 6}
+    for padded in (True, (3, 99)):
+        for i in results[False]:
+            assert results[False][i].token_ids == results[padded][i].token_ids
+            assert max(abs(x - y) for x, y in zip(results[False][i].logprobs, results[padded][i].logprobs)) < 1e-5
+    with pytest.raises(ValueError, match="batch widths >= 1"):
+        Generator(model, max_batch_size=6, max_seq_len=40, decode_buckets=[0, 4])
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
