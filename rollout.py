@@ -1220,7 +1220,7 @@ class Generator:
             )
         self.decode_buckets = (compile_decode or on_gpu) if decode_buckets is None else decode_buckets
         self._decode_step = self._decode_and_sample
-        if compile_decode or on_gpu and decode_attention == "flex":
+        if compile_decode or on_gpu and self.decode_attention == "flex":
             # a graph per bucket (x the few sampler variants: greedy / sampled / truncated); past dynamo's default
             # limit of 8 recompiles per function it would fall back to eager
             for name in ("recompile_limit", "cache_size_limit"):
@@ -1513,9 +1513,10 @@ class Generator:
         return mask_mod
 
     def _flex_block_mask(self, positions: torch.Tensor, window: int | None):
-        """The block mask of one decode step: slot b (its query rows: one per query head of a KV head) visits the first positions[b] // bs + 1 blocks
-        of its block table, in place in the pool (the kernel's KV tiles are the pool's blocks), and the mask_mod
-        cuts the last one at its position. Nothing is gathered; a free block is never visited."""
+        """The block mask of one decode step: slot b (its query rows, one per query head of a KV head) visits the
+        first positions[b] // bs + 1 blocks of its block table, in place in the pool (the kernel's KV tiles are the
+        pool's blocks), and the mask_mod cuts the last one at its position. Nothing is gathered; a free block is
+        never visited."""
         b, bs = positions.shape[0], self.block_size
         self._flex_positions[:b].copy_(positions)
         return BlockMask.from_kv_blocks(
