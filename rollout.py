@@ -1167,6 +1167,13 @@ class Generator:
                     f"and head_dim >= 16, got kv_block_size {bs}, head_dim {self.head_dim}"
                 )
             self.decode_attention = "gather"
+        if not on_gpu and self.decode_attention == "flex" and compile_decode:
+            # inductor's CPU flex template takes the block table's width (blocks of one sequence) for the KV length
+            # it may visit, while here the KV sequence is the whole pool: its lowering fails at the first step
+            raise ValueError(
+                "decode_attention='flex' with compile_decode=True runs on a GPU only (torch's CPU flex kernel cannot "
+                "read the pool in place); on CPU use decode_attention='gather' or compile_decode=False"
+            )
         if use_flash_attn and bs % 256:
             raise ValueError(f"use_flash_attn: flash-attn's paged kernel needs kv_block_size % 256 == 0, got {bs}")
         if not 0 <= kv_seq_tokens <= max_seq_len:

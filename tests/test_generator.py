@@ -958,3 +958,7 @@ def test_flex_attention_decode_matches_the_gathered_path(kind):
     for a, b in zip(outs["gather"], outs["flex"]):
         assert a.token_ids == b.token_ids
         assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs)) < 1e-5
+    # compiled on CPU, inductor's flex kernel cannot read the pool in place: one clear error at construction, not
+    # a lowering failure at the first step
+    with pytest.raises(ValueError, match="flex' with compile_decode=True runs on a GPU only"):
+        Generator(model, max_batch_size=4, max_seq_len=32, decode_attention="flex", compile_decode=True)
