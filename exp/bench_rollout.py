@@ -42,6 +42,7 @@ large tensor copy (read + write bytes).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -172,21 +173,48 @@ def kv_tokens_read(prompt_len: int, new_tokens: int) -> int:
 
 
 def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
-    """(useful tokens, seconds, decode steps, K/V tokens read by decode attention)."""
+    """(useful tokens, seconds, decode steps, K/V tokens read by decode attention, the generator's stats of this run)."""
     params = [
         SamplingParams(
             temperature=temperature, top_p=1.0, top_k=-1, max_new_tokens=lim, stop_token_ids=stop, seed=seed + i
         )
         for i, lim in enumerate(limits)
     ]
-    steps_before = gen.stats.decode_steps
+    before = dataclasses.replace(gen.stats)
     sync(gen.device)
     t0 = time.perf_counter()
     outs = gen.generate(prompts, params)
     sync(gen.device)
     seconds = time.perf_counter() - t0
     kv = sum(kv_tokens_read(len(o.prompt_ids), len(o.token_ids)) for o in outs)
-    return sum(len(o.token_ids) for o in outs), seconds, gen.stats.decode_steps - steps_before, kv
+    run = {k: v - getattr(before, k) for k, v in vars(gen.stats).items()}
+    return sum(len(o.token_ids) for o in outs), seconds, run["decode_steps"], kv, run
+
+
+def breakdown(run: dict, seconds: float) -> str:
+    """Where the last run's wall time went, as the host saw it: the prefill phase (planning, K/V copies and the
+    prefill-only forwards, eager under a compiled decode step) and the decode phase (launching the step, which on a
+    GPU returns at once, and waiting for the step before it); the rest is the caller's. And dynamo's graph count:
+    one that grew during a timed run is a recompile inside it."""
+    graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    return (
+        f"{run['decode_steps']} steps, {run['prefill_forwards']} prefill-only forwards; host: prefill phase "
+        f"{run['prefill_seconds']:.2f} s, decode phase {run['decode_seconds']:.2f} s, other "
+        f"{seconds - run['prefill_seconds'] - run['decode_seconds']:.2f} s; dynamo graphs so far {graphs}"
+    )
+
+
+def kernel_profile(gen: Generator, prompts, limits, temperature, stop, rows: int) -> None:
+    """One more run of ours under torch.profiler: the ops that took the most device time (CPU: host time), so that a
+    benchmark row far off the HBM roofline says what bounds it."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = gen.device.type == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    with profile(activities=activities) as prof:
+        run_ours(gen, prompts, limits, temperature, stop)
+    sort = "self_cuda_time_total" if cuda else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=rows, max_name_column_width=60))
 
 
 def run_hf(model, prompts, limits, temperature, stop, batch, pad_id):
@@ -366,6 +394,13 @@ def main() -> None:
         choices=["auto", "always", "never"],
         help="flash-attn's KV-cache decode kernel (untested); auto: on a GPU when installed",
     )
+    ap.add_argument(
+        "--kernel-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after each workload: its N costliest ops (torch.profiler)",
+    )
     ap.add_argument("--kv-memory", action="store_true", help="KV-pool bytes vs live tokens per step (ours only)")
     ap.add_argument("--kv-every", type=int, default=20, help="--kv-memory: print every this many steps")
     ap.add_argument("--kv-block-size", type=int, default=16)
@@ -467,7 +502,12 @@ def main() -> None:
                         result = run_hf(hf_model, prompts, limits, temperature, wl_stop, args.slots, 0)
                     if engine not in best or result[1] < best[engine][1]:
                         best[engine] = result
-            for engine, (useful, seconds, steps, kv) in best.items():
+                        if engine == "ours":
+                            ours_breakdown = breakdown(result[4], result[1])
+            print(f"  {name:10s} {workload:6s} ours: {ours_breakdown}")
+            if args.kernel_profile:
+                kernel_profile(gen, prompts, limits, temperature, wl_stop, args.kernel_profile)
+            for engine, (useful, seconds, steps, kv, *_) in best.items():
                 rows.append(
                     dict(
                         model=f"{name} ({n_params / 1e6:.1f}M)",

@@ -33,8 +33,9 @@ MEMORY_ARGS=()  # the shipped 1.5B shapes
 HANDOVER_ARGS=(--device cuda --replicas 1 --repeats 3 --bucket-mb 1024 --bench-shape 1536,28,8960,151936 --handover wire,shared)
 # the acceptance row: the DeepSeek-R1-Distill-Qwen-1.5B shape's long-tailed RL batch of 256 slots, % of HBM peak.
 # Four decode widths, not the nine powers of two: each is a compile of the 28-layer step (on the H200 the first
-# compiles took ~50 s each), and the tail's few rows cost about the same at width 16 as at 1 there.
-BENCH_ARGS=(--models r1-1.5b --workloads rl-tail --batch 256 --bucket-widths 1,16,64,256)
+# compiles took ~50 s each), and the tail's few rows cost about the same at width 16 as at 1 there. The kernel
+# profile names what bounds the row (at width 256 alone it ran at 84 ms per step, 1% of HBM: exp/gpu_logs).
+BENCH_ARGS=(--models r1-1.5b --workloads rl-tail --batch 256 --bucket-widths 1,16,64,256 --kernel-profile 15)
 if [[ "${GPU_CHECK_ON_CPU:-0}" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""
   TRAIN_S="${TRAIN_S_CPU:-40}"
