@@ -44,7 +44,7 @@ if [[ "${GPU_CHECK_ON_CPU:-0}" == 1 ]]; then
   MEMORY_ARGS=(--layers 1 train.micro_batch_tokens=1024 train.prompts_per_step=2 rollout.samples_per_prompt=4
     rollout.max_new_tokens=200 rollout.max_seq_len=320 data.max_prompt_tokens=64)
   HANDOVER_ARGS=(--device cpu --replicas 1 --repeats 2 --handover wire,shared)
-  BENCH_ARGS=(--models r1-1.5b --workloads rl-tail --batch 4 --layers 1 --max-new-tokens 48)
+  BENCH_ARGS=(--models r1-1.5b --workloads rl-tail --batch 4 --layers 1 --max-new-tokens 48 --kernel-profile 15)
   # 2 cores do in minutes what the GPU does in seconds
   TEST_TIMEOUT=600 MEMORY_TIMEOUT=600 HANDOVER_TIMEOUT=300 BENCH_TIMEOUT=600 STARTUP_S=300 ETA0_TIMEOUT=300
   echo "dry run on CPU: CUDA hidden" | tee "$OUT/env.txt"
