@@ -419,6 +419,8 @@ def main() -> None:
     if args.layers and device.type == "cuda":
         raise SystemExit("--layers is for CPU dry runs; on a GPU the r1-* models run at their real depth")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if device.type == "cuda":  # a skipped CUDA graph or a recompile in a timed run is logged, with its reason
+        torch._logging.set_logs(perf_hints=True, recompiles=True)
     peak_flops, peak_gbs = measure_peaks(device, dtype)
     hbm_peak = args.hbm_peak_gbps or (H200_HBM_GBPS if device.type == "cuda" else peak_gbs)
     auto = {"auto": None, "always": True, "never": False}
