@@ -227,6 +227,7 @@ class TrainHead:
             self.data = DataOrder(self.data.prompt_ids, cfg.data.seed, resumed["data_epoch"], resumed["data_pos"])
             self.nonfinite.in_a_row = resumed["nonfinite_in_a_row"]
         self.pool = RolloutPool(groups.replicas)
+        self.weight_acks = WeightAcks()
         self.admission = Admission(self.buffer, self.data, self.pool, cfg.rollout.max_queued_groups)
         self.evals = EvalBook([r["prompt_id"] for r in test_rows])
         self.metrics = StepMetrics()
@@ -301,6 +302,7 @@ class TrainHead:
         elif kind == "eval_result":
             self.log_evals(self.evals.record(msg["version"], src, msg["correct"]))
         elif kind == "weights_ok":
+            self.weight_acks.acked(msg["version"], src)
             for mate, why in msg.get("failed", {}).items():  # a machine-mate it relays to did not take them
                 if int(mate) in self.pool.live:
                     self.drop_rollout_rank(int(mate), f"did not take weights from its relay ({why[:120]})")
@@ -341,6 +343,7 @@ class TrainHead:
         if len(self.pool.live) == 1:
             raise PeerTimeout([rank], self.cfg.dist.rollout_timeout_s, "rollout results (no rollout rank left)")
         self.pool.drop(rank)
+        self.weight_acks.drop(rank)
         self.channel.closed.add(rank)
         self.channel.send(rank, "abort", reason=f"dropped by the train head ({why})")  # read if it ever wakes
         requeued = self.buffer.requeue_rank(rank)
@@ -406,6 +409,8 @@ class TrainHead:
         if targets is None:
             self.sync_bytes = self.sync_predicted_bytes = 0
         leaders = list(targets or self.pool.live)
+        if targets is None:
+            self.weight_acks.started(version, leaders)
         if not changed and targets is None:  # a skipped update: same weights, new version number
             for leader in leaders:
                 self.channel.send(leader, "weights", version=version, buckets=[])
@@ -520,6 +525,8 @@ class TrainHead:
                 "weight_sync_dtype": str(self.sync_dtype).removeprefix("torch."),
                 "weight_sync_handover": weight_handover(self.cfg),
             }
+            if self.weight_acks.ready_s is not None:  # the last version every replica took, end to end
+                sync["weight_ready_s"] = self.weight_acks.ready_s
             if self.emulated:
                 sync["emulated"] = self.emulated
             self.log.step(self.metrics.step(stats, self.buffer.version, sync_s, self.pool, sync))
@@ -688,6 +695,40 @@ class RolloutPool:
         """Mean over the ranks that reported of the fraction of their time spent without work."""
         fracs = [c["idle_s"] / max(c["elapsed_s"], 1e-9) for c in self.counters.values() if c]
         return sum(fracs) / max(len(fracs), 1)
+
+
+class WeightAcks:
+    """When a weight version reached every live replica: the seconds from the start of its sync to the last
+    leader's `weights_ok`. The head's weight_sync_s ends with its own sends; a replica may still be receiving then
+    (another owner's buckets) or applying, and it generates at the new version only after that -- at eta = 0 every
+    step waits for it. `ready_s` is the latest version every replica acknowledged (None before the first)."""
+
+    def __init__(self):
+        self.pending: dict[int, tuple[float, set[int]]] = {}  # version -> (sync start, leaders yet to acknowledge)
+        self.ready_s: float | None = None
+
+    def started(self, version: int, leaders: list[int], now: float | None = None) -> None:
+        self.pending[version] = (time.monotonic() if now is None else now, set(leaders))
+        self._settle(now)
+
+    def acked(self, version: int, rank: int, now: float | None = None) -> None:
+        if version in self.pending:
+            self.pending[version][1].discard(rank)
+        self._settle(now)
+
+    def drop(self, rank: int, now: float | None = None) -> None:
+        """A lost replica acknowledges nothing more: the versions wait for the others alone."""
+        for _, waiting in self.pending.values():
+            waiting.discard(rank)
+        self._settle(now)
+
+    def _settle(self, now: float | None) -> None:
+        now = time.monotonic() if now is None else now
+        for version in sorted(self.pending):
+            start, waiting = self.pending[version]
+            if not waiting:
+                self.ready_s = now - start
+                self.pending = {v: p for v, p in self.pending.items() if v > version}  # older ones are superseded
 
 
 class Admission:

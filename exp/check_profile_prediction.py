@@ -17,7 +17,8 @@ Nothing timed in the run goes into the prediction; its timings are only compared
            (train.py waits for the eval there; the cost model has no evaluations) left out; the mean over all steps
            (elapsed / steps) is shown beside it
   train    the median train_s (the batch broadcast and Trainer.train_step) of the same steps
-  sync     the median weight_sync_s of the same steps
+  sync     the median weight_sync_s of the same steps (the head's sends), and where the run logged it the median
+           weight_ready_s (until the last replica acknowledged the version: what an eta = 0 step waits for)
   rollout  the rollout ranks' busy time per step, (1 - rollout_idle_frac) x the mean step, for information: it
            includes the evaluations, which the cost model does not price
 Exit status 0 when the predicted step is within --tolerance (default 15%) of the measured one, 1 when not.
@@ -164,6 +165,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_s": statistics.median(r["step_s"] for r in steady),
         "train_s": statistics.median(r["train_s"] for r in steady),
         "sync_s": statistics.median(r["weight_sync_s"] for r in steady),
+        # the sync as the replicas saw it: until the last one took the version (runs since weight_ready_s)
+        "ready_s": statistics.median(r["weight_ready_s"] for r in steady) if "weight_ready_s" in steady[0] else None,
         "rollout_busy_s": (1 - steps[-1]["rollout_idle_frac"]) * mean_step,
         "mean_step_s": mean_step,
     }
@@ -199,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         ("step_s", "step", "step_s"),
     ):
         print(f"{label:10s} {predicted[key]:10.3f} {measured[mkey]:10.3f}")
+    if measured["ready_s"] is not None:
+        print(f"{'sync ready':10s} {'':10s} {measured['ready_s']:10.3f}  (until the last replica took the version)")
     print(f"{'mean step':10s} {'':10s} {measured['mean_step_s']:10.3f}  (elapsed / steps, evaluations included)")
     ok = abs(error) <= a.tolerance
     print(f"step error {error * 100:+.1f}% ({'within' if ok else 'outside'} {a.tolerance * 100:.0f}%)")

@@ -21,6 +21,7 @@ REQUIRED = [
     "rollout_idle_frac",
     "trainer_idle_frac",
     "weight_sync_s",
+    "weight_ready_s",
     "step_s",
     "loss",
     "grad_norm",

@@ -18,6 +18,7 @@ from train import (
     RolloutPool,
     SetupError,
     StepMetrics,
+    WeightAcks,
 )
 
 
@@ -237,3 +238,22 @@ def test_step_rates_count_only_the_tokens_generated_since_the_last_step():
     assert first["generated_tokens_per_s"] * first["step_s"] == pytest.approx(100)
     assert second["generated_tokens_per_s"] * second["step_s"] == pytest.approx(50)
     assert second["step"] == second["version"] == 2 and second["weight_sync_s"] == 0.5
+
+
+def test_weight_ready_is_the_last_replicas_acknowledgement_of_the_latest_whole_version():
+    acks = WeightAcks()
+    acks.started(1, [3, 5], now=10.0)
+    acks.acked(1, 3, now=10.2)
+    assert acks.ready_s is None  # replica 5 has not taken version 1 yet
+    acks.started(2, [3, 5], now=11.0)
+    acks.acked(1, 5, now=11.3)
+    assert acks.ready_s == pytest.approx(1.3)
+    acks.acked(2, 5, now=11.1)
+    acks.acked(7, 3, now=11.15)  # an unknown version (a re-send's) changes nothing
+    assert acks.ready_s == pytest.approx(1.3)
+    acks.drop(3, now=11.2)  # a lost replica: version 2 waits for replica 5 alone, which has it
+    assert acks.ready_s == pytest.approx(0.2) and not acks.pending
+    acks.started(3, [5], now=12.0)
+    acks.started(4, [5], now=12.5)
+    acks.acked(4, 5, now=12.6)  # a newer version acknowledged supersedes an older one still pending
+    assert acks.ready_s == pytest.approx(0.1) and not acks.pending
