@@ -728,7 +728,8 @@ class WeightAcks:
             start, waiting = self.pending[version]
             if not waiting:
                 self.ready_s = now - start
-                self.pending = {v: p for v, p in self.pending.items() if v > version}  # older ones are superseded
+                # a newer version taken: older ones are moot
+                self.pending = {v: p for v, p in self.pending.items() if v > version}
 
 
 class Admission:
