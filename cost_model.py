@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections import deque
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -965,6 +966,50 @@ def assign_senders(owner_machines: list[list[int]], rollout_machines: list[int],
     return out
 
 
+def sync_times(
+    buckets: list[SyncBucket],
+    replicas_per_machine: dict[int, int],
+    owner_machines: list[list[int]],
+    gbps,
+    eff: Efficiency,
+    speed: float = 1.0,
+) -> tuple[float, float]:
+    """(send_s, ready_s) of one version as the runtime runs it (parallel/weight_sync.py): each rollout machine's relay
+    takes the buckets in order, every stage from the owner assign_senders picks, and forwards each bucket to the
+    machine's k - 1 other replicas once it has it, while the next one arrives; it holds at most SYNC_BUCKETS_ALIVE
+    (the next receive waits for the forward two buckets back). `gbps(a, b)`: machine-to-machine bandwidth (a == b:
+    inside a machine).
+      send_s   until every relay has received the last bucket (and every owner sent its stage to each machine it
+               serves): what the train ranks pause for
+      ready_s  until every replica holds the version: the relay's last forward ends one bucket-forward after its last
+               receive at the earliest, so a version of one bucket takes two hops to a machine-mate. The rollout side
+               pauses for it, and an eta = 0 step waits for it
+    Both add a fixed latency. `speed` (Cluster.speed of the machines involved, < 1 only for CPU processes sharing
+    cores) stretches both: on a CPU a bucket's hop is host work (filling, checksumming, socket copies), and a device
+    profile measures it on unshared cores."""
+    senders = assign_senders(owner_machines, list(replicas_per_machine), gbps)
+    send = ready = 0.0
+    sending: dict[tuple[int, int], float] = {}
+    for m, k in replicas_per_machine.items():
+        received = forwarded = 0.0  # when the relay has received / finished forwarding the bucket so far
+        alive: deque[float] = deque()  # the end times of the forwards still holding a bucket
+        for b in buckets:
+            sender = (b.stage, senders[(b.stage, m)])
+            seconds = b.wire_bytes / (gbps(owner_machines[b.stage][sender[1]], m) * 1e9)
+            sending[sender] = sending.get(sender, 0.0) + seconds
+            start = received
+            if len(alive) >= SYNC_BUCKETS_ALIVE:
+                start = max(start, alive.popleft())
+            received = start + seconds
+            if k > 1:
+                forwarded = max(forwarded, received) + (k - 1) * b.wire_bytes / (gbps(m, m) * 1e9)
+                alive.append(forwarded)
+        send, ready = max(send, received), max(ready, forwarded, received)
+    owners = max(sending.values(), default=0.0)
+    fixed, rate = eff.sync_latency_s / speed, eff.link_eff * speed
+    return fixed + max(send, owners) / rate, fixed + max(ready, owners) / rate
+
+
 def sync_seconds(
     buckets: list[SyncBucket],
     replicas_per_machine: dict[int, int],
@@ -973,37 +1018,20 @@ def sync_seconds(
     eff: Efficiency,
     speed: float = 1.0,
 ) -> float:
-    """C_UPDATE of one version as the runtime runs it (parallel/weight_sync.py): each rollout machine's relay takes
-    every stage from the owner assign_senders picks and forwards each bucket to the machine's other replicas while
-    the next one arrives. `gbps(a, b)`: machine-to-machine bandwidth (a == b: inside a machine). The slowest of: a
-    relay receiving every stage in turn, a relay forwarding to its k - 1 machine-mates, an owner sending its stage
-    to every machine assigned to it; plus a fixed latency. `speed` (Cluster.speed of the machines involved, < 1 only
-    for CPU processes sharing cores) stretches both: on a CPU a bucket's hop is host work (filling, checksumming,
-    socket copies), and a device profile measures it on unshared cores."""
-    stage_bytes: dict[int, int] = {}
-    for b in buckets:
-        stage_bytes[b.stage] = stage_bytes.get(b.stage, 0) + b.wire_bytes
-    total = sum(stage_bytes.values())
-    senders = assign_senders(owner_machines, list(replicas_per_machine), gbps)
-    slowest = 0.0
-    sending: dict[tuple[int, int], float] = {}
-    for m, k in replicas_per_machine.items():
-        receive = 0.0
-        for s, n in stage_bytes.items():
-            src = owner_machines[s][senders[(s, m)]]
-            seconds = n / (gbps(src, m) * 1e9)
-            receive += seconds
-            sending[(s, senders[(s, m)])] = sending.get((s, senders[(s, m)]), 0.0) + seconds
-        slowest = max(slowest, receive, (k - 1) * total / (gbps(m, m) * 1e9))
-    slowest = max([slowest, *sending.values()])
-    return eff.sync_latency_s / speed + slowest / (eff.link_eff * speed)
+    """C_UPDATE of one version: until every replica holds it (sync_times' ready_s)."""
+    return sync_times(buckets, replicas_per_machine, owner_machines, gbps, eff, speed)[1]
 
 
-def step_seconds(rollout_s: float, train_s: float, sync_s: float, wl: Workload) -> float:
-    """Paper §4.4: step = weight sync + max(rollout + reward, train); eta = 0 runs them back to back."""
+def step_seconds(
+    rollout_s: float, train_s: float, sync_s: float, wl: Workload, sync_send_s: float | None = None
+) -> float:
+    """Paper §4.4: step = weight sync + max(rollout + reward, train); eta = 0 runs them back to back. The two sides
+    pause for different parts of the sync (sync_times): the rollout side until its replicas hold the version (sync_s),
+    the train side until its sends are done (sync_send_s, default sync_s); an eta = 0 step waits for the replicas."""
     if wl.eta == 0:
         return sync_s + rollout_s + wl.reward_s + train_s
-    return sync_s + max(rollout_s + wl.reward_s, train_s)
+    send = sync_s if sync_send_s is None else sync_send_s
+    return max(sync_s + rollout_s + wl.reward_s, send + train_s)
 
 
 # ----------------------------------------------------------------------------- local profile (cpu cluster)

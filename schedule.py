@@ -100,6 +100,13 @@ class Evaluation:
     tokens_per_s: float
     # machine -> devices busy at once, the core shares were priced with (CPU clusters; empty: every device busy)
     busy_devices: dict[int, float] = field(default_factory=dict)
+    # the train side's part of sync_s: until its sends are done (cost_model.sync_times); sync_s is until every
+    # replica holds the version. None: the same
+    sync_send_s: float | None = None
+
+    @property
+    def train_sync_s(self) -> float:
+        return self.sync_s if self.sync_send_s is None else self.sync_send_s
 
     @property
     def c_t(self) -> float:
@@ -559,10 +566,11 @@ class Planner:
 
     def busy_devices(self, ev: Evaluation) -> dict[int, float]:
         """Machine -> its devices busy at once on average in the step `ev` prices: each train GPU busy for its
-        training and the weight sync, each rollout GPU for generation, reward and the sync, as fractions of the
+        training and its sends of the weight sync, each rollout GPU for generation, reward and the sync until its replicas
+        hold the version, as fractions of the
         step; a GPU in neither role idle."""
         step = ev.step_s
-        train_busy = min(1.0, (ev.train_s + ev.sync_s) / step)
+        train_busy = min(1.0, (ev.train_s + ev.train_sync_s) / step)
         rollout_busy = min(1.0, (ev.rollout_s + self.wl.reward_s + ev.sync_s) / step)
         busy = {m.index: 0.0 for m in self.cluster.machines}
         for _, _, ids in ev.train.stages:
@@ -598,15 +606,15 @@ class Planner:
             rollout_s = cm.rollout_seconds(
                 self.model, self.wl, rollout.tokens_per_s, rollout.prefill_tflops, rollout.seq_tokens_per_s
             )
-        sync_s = inf
+        sync_s = sync_send_s = inf
         if train and rollout:
             machines = self.rollout_machines(rollout)
             owners = self.owner_machines(train)
             speed = min(self.cluster.speed(m, "link") for m in {*machines, *(m for stage in owners for m in stage)})
-            sync_s = cm.sync_seconds(
+            sync_send_s, sync_s = cm.sync_times(
                 self.sync_buckets(train), machines, owners, self.cluster.link_gbps, self.eff, speed
             )
-        step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl) if math.isfinite(sync_s) else inf
+        step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl, sync_send_s) if math.isfinite(sync_s) else inf
         ev = Evaluation(
             train_counts,
             train,
@@ -616,6 +624,7 @@ class Planner:
             sync_s,
             step,
             self.wl.tokens_per_step / step if math.isfinite(step) else 0.0,
+            sync_send_s=sync_send_s,
         )
         return ev
 
@@ -1148,6 +1157,7 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "rollout_s": ev.rollout_s,
         "train_s": ev.train_s,
         "sync_s": ev.sync_s,
+        "sync_send_s": ev.train_sync_s,
         "sync_bytes": cm.sync_bytes_sent(p.sync_buckets(tr), len(p.rollout_machines(ev.rollout))),
         "reward_s": p.wl.reward_s,
         "step_s": ev.step_s,
@@ -1262,7 +1272,8 @@ def plot_plan(plan_json: dict, path: str) -> None:
 
 def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficiency | None = None) -> Efficiency:
     """Fit per-type mfu_train / hbm_eff / mfu_infer and the sync link_eff / latency to measured timings.
-    points: (planner, per-machine trainer counts, {"rollout_s", "train_s", "sync_s"} measured, any subset).
+    points: (planner, per-machine trainer counts, {"rollout_s", "train_s", "sync_s"} measured, any subset); a
+    measured sync_s is the train side's (a run's weight_sync_s: until its sends are done), fitted to train_sync_s.
     Phase 1 is re-run on the fixed partition for every trial so layouts follow the constants."""
     eff = Efficiency.from_dict((base or Efficiency()).to_dict())
     types = sorted({t for p, _, _ in points for t in p.types})
@@ -1315,7 +1326,7 @@ def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficie
     if sensitive:
         fit("rollout_s", ["mfu_infer", "hbm_eff"], 2)
     sync = [
-        (p, type(p)(p.cluster, p.model, p.wl, eff, p.max_seconds).evaluate(c).sync_s, m["sync_s"])
+        (p, type(p)(p.cluster, p.model, p.wl, eff, p.max_seconds).evaluate(c).train_sync_s, m["sync_s"])
         for p, c, m in points
         if "sync_s" in m
     ]

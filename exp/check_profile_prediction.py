@@ -173,7 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     predicted = {
         "step_s": ev.step_s,
         "train_s": ev.train_s,
-        "sync_s": ev.sync_s,
+        "sync_s": ev.train_sync_s,  # the train side's sends, as weight_sync_s measures them
+        "ready_s": ev.sync_s,  # until every replica holds the version
         "rollout_s": ev.rollout_s,
         "busy_devices": {str(m): b for m, b in ev.busy_devices.items()},
     }
@@ -203,7 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         print(f"{label:10s} {predicted[key]:10.3f} {measured[mkey]:10.3f}")
     if measured["ready_s"] is not None:
-        print(f"{'sync ready':10s} {'':10s} {measured['ready_s']:10.3f}  (until the last replica took the version)")
+        print(
+            f"{'sync ready':10s} {predicted['ready_s']:10.3f} {measured['ready_s']:10.3f}  (until every replica held it)"
+        )
     print(f"{'mean step':10s} {'':10s} {measured['mean_step_s']:10.3f}  (elapsed / steps, evaluations included)")
     ok = abs(error) <= a.tolerance
     print(f"step error {error * 100:+.1f}% ({'within' if ok else 'outside'} {a.tolerance * 100:.0f}%)")

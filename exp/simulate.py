@@ -14,8 +14,9 @@ cost_model.decode_round_s, training and sync times from the plan's predictions):
     round_s(n); a sequence of g tokens finishes after g rounds;
   - a batch is taken as soon as the buffer has one ready; a step takes train_s scaled by its tokens; no group
     is admitted during the step (the next version's weights do not exist yet);
-  - after each step both sides pause for the weight sync; running sequences are interrupted, their KV is
-    recomputed with the new weights (prefill of the held context), then decoding continues;
+  - after each step both sides pause for the weight sync -- the replicas until they hold the version, the trainer
+    until its sends are done (cost_model.sync_times); running sequences are interrupted, their KV is recomputed
+    with the new weights (prefill of the held context), then decoding continues;
   - staleness of a sample = trainer version at consumption - version at admission.
 Because rounds advance every running sequence by one token, a replica keeps one "progress" clock and each
 sequence its finishing progress, so an event costs O(replicas) and 20 steps of 10^4 requests run in seconds.
@@ -127,8 +128,11 @@ def simulate(
     warmup: int = 2,
     prefill_s_per_token: float | None = None,
     consume_order: str = "deadline",
+    sync_send_s: float | None = None,
 ) -> dict:
-    """Run `steps` trainer steps; report mean step time, tokens/s, idle fractions and staleness."""
+    """Run `steps` trainer steps; report mean step time, tokens/s, idle fractions and staleness. The weight sync
+    pauses the replicas until they hold the version (sync_s) and the trainer until its sends are done (sync_send_s;
+    default: the plan's, or sync_s where only that is given)."""
     if steps < warmup + 1:
         raise ValueError(f"steps must exceed warmup ({warmup}), got {steps}")
     cluster, model, wl, eff = _inputs(plan, workload, eta)
@@ -139,6 +143,8 @@ def simulate(
         train_s_per_token if train_s_per_token is not None else plan["predicted"]["train_s"] / (wl.batch * mean_tokens)
     )
     sync = plan["predicted"]["sync_s"] if sync_s is None else sync_s
+    if sync_send_s is None:
+        sync_send_s = plan["predicted"].get("sync_send_s", sync) if sync_s is None else sync
 
     # the train head's own buffer: admission, deadlines and batches exactly as in a run (units: groups)
     buf = StalenessBuffer(wl.prompts_per_step, wl.eta, consume_order=consume_order)
@@ -208,7 +214,7 @@ def simulate(
             for r in replicas:  # weight sync: pause, interrupt, recompute KV
                 held = sum(seqs[sid].prompt + seqs[sid].gen - (fin - r.progress) for fin, sid in r.running)
                 r.paused_until = max(r.paused_until, now) + sync + held * r.prefill_s_per_token
-            trainer_ready_at = now + sync
+            trainer_ready_at = now + sync_send_s
             buf.weights_sent(buf.version)  # the pause above is the transfer
             changed = True
         if train_end is None and changed and buf.ready():

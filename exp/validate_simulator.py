@@ -9,7 +9,8 @@ For every run directory whose plan.json came from schedule.py (it carries the pl
      busy = (1 - rollout_idle_frac) x rollout lifetime - the start-up sync + eval (the step-0 eval time)
    - rollout seconds per prefilled token  = the generators' own prefill timer / prefilled tokens (prompts and
      KV recompute after weight swaps), taken out of the busy time above
-   - weight sync seconds                  = mean weight_sync_s
+   - weight sync seconds                  = mean weight_ready_s (until every replica held the version; the
+     head's weight_sync_s where a run did not log it) for the replicas, mean weight_sync_s for the trainer
    and the workload: prompts x samples per step, mean response length, η, and the prompt length the plan
    was made for (metrics count only response tokens, which carry the loss);
 2. run the discrete-event simulator with those costs: it composes them through the pipeline (admission
@@ -80,7 +81,9 @@ def profile(run: compare.Run, plan: dict) -> dict:
         "train_s_per_token": sum(s["train_s"] for s in steps) / (trained + B * prompt_len * len(steps)),
         "decode_s_per_token": busy / (generated / replicas),
         "prefill_s_per_token": prefill_s_per_token,
-        "sync_s": sum(s["weight_sync_s"] for s in steps) / len(steps),
+        "sync_send_s": sum(s["weight_sync_s"] for s in steps) / len(steps),
+        # until every replica held the version where the run logged it, else the head's sends
+        "sync_s": sum(s.get("weight_ready_s", s["weight_sync_s"]) for s in steps) / len(steps),
         "eta": compare.config_value(cfg, "staleness.max_staleness"),
     }
 
@@ -113,6 +116,7 @@ def validate_run(run_dir: Path, warmup: int = 2, seed: int = 0) -> dict:
         train_s_per_token=p["train_s_per_token"],
         sync_s=p["sync_s"],
         prefill_s_per_token=p["prefill_s_per_token"],
+        sync_send_s=p["sync_send_s"],
     )
     predicted_tokens_per_s = res["tokens_per_s"] * p["gen_mean"] / (p["gen_mean"] + p["prompt_len"])
     t = plan["train"]

@@ -264,9 +264,18 @@ def test_sync_time_follows_the_schedule_and_step_formula():
     one_owner = [[9], [9]]  # both stages' owners on train machine 9, one DP replica
     one = cm.sync_seconds(buckets, {0: 1}, one_owner, gbps, eff)  # the relay receives both stages in turn
     assert one == pytest.approx(2.0 + total / (0.25 * cross * 1e9))
-    assert cm.sync_seconds(buckets, {0: 4}, one_owner, gbps, eff) == pytest.approx(one)  # forwarding is faster
+    # a relay with 3 machine-mates: it forwards each bucket once it has it, holding 2 at most, so its third receive
+    # waits for the forward of the first bucket (the 466.7 MB embedding), and the mates hold the version one forward
+    # of the last bucket (the LM head) after the relay received it
+    first, second, last = buckets[0].wire_bytes, buckets[1].wire_bytes, buckets[-1].wire_bytes
+    stall = 3 * first / (0.25 * inside * 1e9) - second / (0.25 * cross * 1e9)
+    send, ready = cm.sync_times(buckets, {0: 4}, one_owner, gbps, eff)
+    assert stall > 0 and send == pytest.approx(one + stall)
+    assert ready == pytest.approx(send + 3 * last / (0.25 * inside * 1e9))
+    assert cm.sync_seconds(buckets, {0: 4}, one_owner, gbps, eff) == ready
+    # a slow local link: the forwards are the bottleneck and run back to back after the first receive
     slow_inside = cm.sync_seconds(buckets, {0: 4}, one_owner, lambda a, b: 1.0 if a == b else cross, eff)
-    assert slow_inside == pytest.approx(2.0 + 3 * total / (0.25 * 1e9))  # 3 forwards over a slow local link
+    assert slow_inside == pytest.approx(2.0 + first / (0.25 * cross * 1e9) + 3 * total / (0.25 * 1e9))
     # two rollout machines: each owner sends its stage twice, each relay still receives everything once ...
     two = cm.sync_seconds(buckets, {0: 1, 1: 1}, one_owner, gbps, eff)
     assert two == pytest.approx(2.0 + max(total, 2 * max(stage_bytes)) / (0.25 * cross * 1e9))
@@ -277,6 +286,27 @@ def test_sync_time_follows_the_schedule_and_step_formula():
     assert cm.assign_senders([[9, 0]], [0, 1], gbps) == {(0, 0): 1, (0, 1): 0}
     assert cm.step_seconds(10, 7, 1, wl) == 11
     assert cm.step_seconds(10, 7, 1, cm.Workload(eta=0)) == 18
+
+
+def test_a_machine_mate_holds_a_one_bucket_version_two_hops_after_the_sync_starts():
+    """The replicas take the version later than the owners finish sending: the trainer pauses for its sends, the
+    rollout side (and an eta = 0 step) until every replica holds it."""
+    eff = cm.Efficiency(link_eff=0.5, sync_latency_s=0.01)
+    bucket = cm.SyncBucket(0, ("w",), (10**8,), 2)  # 200 MB: one hop is 0.2 s at 0.5 x 2 GB/s
+    hop = bucket.wire_bytes / (0.5 * 2e9)
+    assert cm.sync_times([bucket], {0: 1}, [[0]], lambda a, b: 2.0, eff) == pytest.approx((0.01 + hop, 0.01 + hop))
+    send, ready = cm.sync_times([bucket], {0: 2}, [[0]], lambda a, b: 2.0, eff)
+    assert send == pytest.approx(0.01 + hop) and ready == pytest.approx(0.01 + 2 * hop)
+    # split in two buckets the forward of the first overlaps the receive of the second: one half-hop later, not one
+    halves = [cm.SyncBucket(0, ("a",), (5 * 10**7,), 2), cm.SyncBucket(0, ("b",), (5 * 10**7,), 2)]
+    send, ready = cm.sync_times(halves, {0: 2}, [[0]], lambda a, b: 2.0, eff)
+    half = halves[0].wire_bytes / (0.5 * 2e9)
+    assert send == pytest.approx(0.01 + 2 * half) and ready == pytest.approx(0.01 + 3 * half)
+    # a step with eta >= 1: the rollout side pays the sync until its replicas hold it, the train side its sends
+    wl = cm.Workload(eta=1)
+    assert cm.step_seconds(10, 7, 1.5, wl, sync_send_s=0.5) == 11.5
+    assert cm.step_seconds(5, 7, 1.5, wl, sync_send_s=0.5) == 7.5
+    assert cm.step_seconds(5, 7, 1.5, cm.Workload(eta=0), sync_send_s=0.5) == 13.5
 
 
 def test_cpu_profile_is_positive():

@@ -134,3 +134,17 @@ def test_a_cpu_plans_replicas_run_at_the_core_share_it_was_priced_at():
     replicas = sim.build_replicas(pj, c, model, w, eff)
     for rep, planned in zip(replicas, pj["rollout"]["replicas"]):
         assert rep.round_s[rep.batch] == pytest.approx(planned["round_s"], rel=1e-9)
+
+
+def test_the_trainer_pauses_for_its_sends_and_the_replicas_until_they_hold_the_version(plan):
+    """A sync the replicas take 2 s longer to finish than the trainer's sends: a train-bound step (eta 8, a slow
+    trainer) grows by nothing, an eta = 0 step, which waits for the replicas, by the 2 s."""
+    mean_tokens = plan["inputs"]["workload"]["prompt_len"] + 333.0
+    slow_train = 20.0 / (64 * mean_tokens)  # 20 s a step: the rollout finishes well within it
+
+    def step(eta: int, ready_s: float) -> float:
+        kw = {"train_s_per_token": slow_train, "sync_s": ready_s, "sync_send_s": 0.5}
+        return sim.simulate(plan, steps=8, eta=eta, **kw)["step_s"]
+
+    assert step(8, 2.5) == pytest.approx(step(8, 0.5), rel=1e-3)
+    assert step(0, 2.5) - step(0, 0.5) == pytest.approx(2.0, rel=0.05)
