@@ -813,7 +813,23 @@ def train_step_seconds(
     wl: Workload,
     eff: Efficiency,
 ) -> float:
-    """C_TRAIN per RL step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
+    """C_TRAIN per RL step (train_step_times' first)."""
+    return train_step_times(model, stages, dp, tp, gpu_types, wl, eff)[0]
+
+
+def train_step_times(
+    model: ModelSpec,
+    stages: list[StageSpec],
+    dp: int,
+    tp: int,
+    gpu_types: dict[str, GPUType],
+    wl: Workload,
+    eff: Efficiency,
+) -> tuple[float, list[float]]:
+    """(seconds, busy_s): C_TRAIN per RL step, and per stage the seconds its devices work in it -- its m
+    micro-batches, gradient all-reduce, optimizer and fixed work; the rest of the step is its share of the 1F1B
+    bubble, where it idles (what a CPU's shared cores see: Planner.busy_devices).
+    C_TRAIN per RL step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
     per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
                                      + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
                                      + (1 - 1/tp) * the work TP leaves whole (tp_unsplit hidden-sized tensors per
@@ -836,7 +852,7 @@ def train_step_seconds(
     m = max(len(stages), math.ceil(tokens_per_rank / wl.microbatch_tokens))
     mb = tokens_per_rank / m
     passes = wl.train_passes
-    times = []
+    times, own = [], []  # per stage: one micro-batch's time, and its optimizer step's own work besides
     dp_sync = opt = fixed = 0.0
     for k, st in enumerate(stages):
         gpu, te = gpu_types[st.gpu_type], eff.of(st.gpu_type)
@@ -854,13 +870,15 @@ def train_step_seconds(
             t += passes * (LINK_LATENCY_S + mb * model.hidden * nbytes / (st.next_gbps * 1e9))
         times.append(t)
         params = (st.layers * model.layer_params + (model.head_params if last else 0)) / tp
-        if dp > 1:
-            dp_sync = max(dp_sync, LINK_LATENCY_S + 2 * (dp - 1) / dp * params * 4 / (st.dp_gbps * 1e9))
-        opt = max(opt, params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff * st.speed))
+        stage_sync = LINK_LATENCY_S + 2 * (dp - 1) / dp * params * 4 / (st.dp_gbps * 1e9) if dp > 1 else 0.0
+        stage_opt = params * (18 + 12 / dp) / (gpu.hbm_tbps * 1e12 * te.hbm_eff * st.speed)
         extra = (te.tp_overhead_s if tp > 1 else 0.0) + (te.dp_overhead_s if dp > 1 else 0.0)
-        fixed = max(fixed, (te.train_overhead_s + extra) / st.speed)
+        stage_fixed = (te.train_overhead_s + extra) / st.speed
+        dp_sync, opt, fixed = max(dp_sync, stage_sync), max(opt, stage_opt), max(fixed, stage_fixed)
+        own.append(stage_sync + stage_opt + stage_fixed)
     pipeline = sum(times) + (m - 1) * max(times)
-    return wl.ppo_minibatches * (pipeline + dp_sync + opt + fixed)
+    busy = [wl.ppo_minibatches * (m * t + o) for t, o in zip(times, own)]
+    return wl.ppo_minibatches * (pipeline + dp_sync + opt + fixed), busy
 
 
 def train_tokens_per_s(wl: Workload, train_s: float) -> float:

@@ -52,6 +52,8 @@ class TrainPlan:
     pp: int
     stages: list[tuple[str, int, list[int]]]  # (gpu_type, layers, gpu ids in tp-fastest order)
     seconds: float
+    # per stage, the seconds its GPUs work in a step (the rest of it is 1F1B bubble); None: all of `seconds`
+    stage_busy_s: list[float] | None = None
 
 
 @dataclass(frozen=True)
@@ -246,8 +248,8 @@ class Planner:
         if layers is None:
             return None
         stages = [StageSpec(t, l, ms, a, b, c, v) for (t, ms, a, b, c), l, v in zip(specs, layers, speeds)]
-        secs = cm.train_step_seconds(self.model, stages, dp, tp, self.cluster.gpu_types, self.wl, self.eff)
-        return TrainPlan(dp, tp, pp, [(t, l, b) for t, l, b in zip(types, layers, blocks)], secs)
+        secs, busy = cm.train_step_times(self.model, stages, dp, tp, self.cluster.gpu_types, self.wl, self.eff)
+        return TrainPlan(dp, tp, pp, [(t, l, b) for t, l, b in zip(types, layers, blocks)], secs, busy)
 
     def _split_layers(self, types: list[str], dp: int, tp: int, pp: int) -> list[int] | None:
         """Layers per stage proportional to stage compute (the LM head counts on the last stage), then
@@ -565,17 +567,16 @@ class Planner:
         return ev
 
     def busy_devices(self, ev: Evaluation) -> dict[int, float]:
-        """Machine -> its devices busy at once on average in the step `ev` prices: each train GPU busy for its
-        training and its sends of the weight sync, each rollout GPU for generation, reward and the sync until its replicas
-        hold the version, as fractions of the
-        step; a GPU in neither role idle."""
+        """Machine -> its devices busy at once on average in the step `ev` prices, as fractions of the step: each
+        train GPU for its stage's own work (not the 1F1B bubble) and the train side's weight sync, each rollout GPU
+        for generation, reward and the sync until its replicas hold the version; a GPU in neither role idle."""
         step = ev.step_s
-        train_busy = min(1.0, (ev.train_s + ev.train_sync_s) / step)
+        work = ev.train.stage_busy_s or [ev.train_s] * len(ev.train.stages)
         rollout_busy = min(1.0, (ev.rollout_s + self.wl.reward_s + ev.sync_s) / step)
         busy = {m.index: 0.0 for m in self.cluster.machines}
-        for _, _, ids in ev.train.stages:
+        for (_, _, ids), stage_work in zip(ev.train.stages, work):
             for i in ids:
-                busy[self.gpu_machine[i]] += train_busy
+                busy[self.gpu_machine[i]] += min(1.0, (stage_work + ev.train_sync_s) / step)
         for _, ids in ev.rollout.replicas:
             for i in ids:
                 busy[self.gpu_machine[i]] += rollout_busy

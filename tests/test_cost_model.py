@@ -188,6 +188,32 @@ def test_train_step_scales_with_efficiency_and_counts_the_bubble():
     assert step(0.4, 2) > step(0.4, 1) / 2 * (m + 1) / m * 0.95
 
 
+def test_a_pipeline_stage_works_its_micro_batches_and_idles_the_bubble():
+    """Per stage, train_step_times' busy time is its m micro-batches, its optimizer and its fixed work; the step is
+    the 1F1B pipeline, sum_k t_k + (m - 1) max_k t_k, so a stage idles the rest. One stage has no bubble."""
+    model = cm.model_from_config(  # 4 layers, untied: two stages of 2 layers, the last with the LM head
+        {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 4, "num_attention_heads": 4,
+         "num_key_value_heads": 2, "vocab_size": 1000, "tie_word_embeddings": False}, "m")  # fmt: skip
+    wl = cm.Workload(prompts_per_step=8, samples_per_prompt=1, prompt_len=0, gen_samples=[1000.0], ppo_minibatches=2,
+                     microbatch_tokens=1000, train_passes=3.0, precision="fp32")  # fmt: skip
+    te = cm.TypeEfficiency(mfu_train=0.4, train_overhead_s=0.01)
+    eff, types = cm.Efficiency(per_type={"H800": te}), {"H800": H800}
+    one = [cm.StageSpec("H800", 4, (0,), 1e9, 1e9, 0.0)]
+    seconds, busy = cm.train_step_times(model, one, 1, 1, types, wl, eff)
+    assert busy == [pytest.approx(seconds)]
+    two = [cm.StageSpec("H800", 2, (0,), 1e9, 1e9, 100.0), cm.StageSpec("H800", 2, (0,), 1e9, 1e9, 0.0)]
+    seconds, busy = cm.train_step_times(model, two, 1, 1, types, wl, eff)
+    # by hand: a minibatch of 4 sequences of 1000 tokens runs as m = 4 micro-batches of 1000 tokens
+    m, mb, rate = 4, 1000.0, H800.tflops * 1e12 * 0.4
+    flops = 3 * mb * 2 * model.layer_flops_per_token(wl.decode_context)
+    t = [flops / rate + 3 * (cm.LINK_LATENCY_S + mb * 256 * 4 / 100e9), (flops + 3 * mb * 2 * model.head_params) / rate]
+    params = [2 * model.layer_params, 2 * model.layer_params + model.head_params]
+    own = [p * 30 / (H800.hbm_tbps * 1e12 * te.hbm_eff) + 0.01 for p in params]  # optimizer (dp 1) + fixed
+    assert busy == [pytest.approx(2 * (m * t[k] + own[k]), rel=1e-9) for k in (0, 1)]
+    assert seconds == pytest.approx(2 * (sum(t) + (m - 1) * max(t) + max(own)), rel=1e-9)
+    assert all(0 < seconds - b < seconds / 2 for b in busy)  # each stage idles part of the step, not most of it
+
+
 @pytest.mark.parametrize("dp, pp", [(1, 1), (2, 1), (3, 1), (1, 2), (2, 2)])
 def test_train_step_charges_the_micro_batches_the_runtime_packs(dp, pp):
     """A DP rank's share S of a minibatch runs as m = max(stages, ceil(S / microbatch_tokens)) micro-batches of

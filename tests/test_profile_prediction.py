@@ -167,6 +167,22 @@ def busy_at_once(ev: sc.Evaluation, train_gpus: int, rollout_gpus: int, reward_s
     return train_gpus * train + rollout_gpus * rollout
 
 
+def test_a_pipeline_trainer_counts_busy_for_its_work_not_its_bubble():
+    """Train dp 1 x pp 2 beside one rollout replica on 3 processes: each stage's process is busy for its own
+    micro-batches and optimizer work (cost_model.train_step_times) and the train side's sync, not for the whole
+    train step, so fewer devices are busy at once than the step's length would say."""
+    wl = cm.Workload(**{**DEMO, "microbatch_tokens": 1024, "ppo_minibatches": 1})
+    p = sc.Planner(cpu_cluster(2, 3), cm.load_model_spec(TINY), wl, cm.Efficiency(sync_latency_s=0.01),
+                   forced_layout=(1, 1, 2), rollout_tp=1)  # fmt: skip
+    ev = p.evaluate((2,))
+    assert ev.train.pp == 2 and len(ev.train.stage_busy_s) == 2
+    step, rollout = ev.step_s, min(1.0, (ev.rollout_s + ev.sync_s) / ev.step_s)
+    by_stage = sum(min(1.0, (b + ev.train_sync_s) / step) for b in ev.train.stage_busy_s)
+    assert ev.busy_devices[0] == pytest.approx(by_stage + rollout, rel=1e-3)  # the fixed point
+    assert max(ev.train.stage_busy_s) < ev.train_s
+    assert ev.busy_devices[0] < 2 * min(1.0, (ev.train_s + ev.train_sync_s) / step) + rollout
+
+
 def test_speed_counts_the_busy_devices_given():
     c = cpu_cluster(2, 4)
     assert c.with_busy_devices({0: 3.2}).speed(0) == pytest.approx(2 / 3.2)
