@@ -829,7 +829,7 @@ def train_step_times(
     """(seconds, busy_s): C_TRAIN per RL step, and per stage the seconds its devices work in it -- its m
     micro-batches, gradient all-reduce, optimizer and fixed work; the rest of the step is its share of the 1F1B
     bubble, where it idles (what a CPU's shared cores see: Planner.busy_devices).
-    C_TRAIN per RL step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
+    The step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
     per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
                                      + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
                                      + (1 - 1/tp) * the work TP leaves whole (tp_unsplit hidden-sized tensors per
