@@ -475,6 +475,10 @@ class TypeEfficiency:
     # log-probs' loop on a CPU, kernel launches on a GPU), charged to every micro-batch of every stage; measured by a
     # CPU profile from one step packed into more micro-batches, 0 unless it did
     microbatch_overhead_s: float = 0.0
+    # fixed seconds a decode step of more than one row costs beyond a one-row step's decode_overhead_s: on a CPU core
+    # a one-row step runs matrix-vector products straight over the weights, a wider one GEMMs that first pack them
+    # into blocks (a device profile fits it from its one-row and multi-row steps; 0 unless it did)
+    decode_multirow_s: float = 0.0
 
     def __post_init__(self) -> None:
         if self.decode_combine not in DECODE_COMBINES:
@@ -551,7 +555,8 @@ def decode_round_s(
     "sum" (a CPU core, whose profile fits that better). TP adds 2 all-reduces of batch*H per layer
     over NVLink; PP adds batch*H bytes per stage boundary. The step time is the slowest stage, plus the type's
     fixed per-step overhead `decode_overhead_s` (0 unless a device profile sets it: `schedule.py profile` fits
-    step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps). The compute roof is
+    step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps), and for more than one
+    row `decode_multirow_s` besides (a CPU core's GEMM path; 0 unless a profile fits it). The compute roof is
     at `mfu_decode` (mfu_infer unless a profile fits it from compute-bound decode steps). `speed` is the share of
     its device the replica gets (Cluster.speed: < 1 only for CPU processes sharing cores): the rates and the
     per-step host work all stretch by 1 / speed.
@@ -573,7 +578,8 @@ def decode_round_s(
         compute = batch * (lk * model.layer_flops_per_token(context) + 2 * head) / tp
         roof = combine(mem_bytes / hbm, compute / flops)
         worst = max(worst, roof + lk * tp_comm)
-    return worst + pp_comm + eff.decode_overhead_s / speed
+    fixed = eff.decode_overhead_s + (eff.decode_multirow_s if batch > 1 else 0.0)
+    return worst + pp_comm + fixed / speed
 
 
 def decode_bytes_per_step(model: ModelSpec, batch: float, context: float, nbytes: int, tp: int = 1) -> float:
@@ -1090,6 +1096,7 @@ def profile_cpu(seconds: float = 1.5) -> dict[str, float]:
 PROFILE_FRACTIONS = ("mfu_train", "mfu_infer", "hbm_eff")
 PROFILE_OPTIONAL_FRACTIONS = ("mfu_decode",)
 PROFILE_OVERHEADS = ("decode_overhead_s",)
+PROFILE_OPTIONAL_DECODE_OVERHEADS = ("decode_multirow_s",)
 PROFILE_OPTIONAL_OVERHEADS = ("train_overhead_s", "tp_overhead_s", "dp_overhead_s", "microbatch_overhead_s")
 PROFILE_MAX_FRACTION = 1.2
 PROFILE_MAX_OVERHEAD_S = 10.0
@@ -1199,6 +1206,10 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
     for key in (*PROFILE_OPTIONAL_FRACTIONS, *PROFILE_OPTIONAL_OVERHEADS):
         if eff.get(key) is not None:
             values[key] = _profile_number(eff, key, "efficiency", source)
+    for key in PROFILE_OPTIONAL_DECODE_OVERHEADS:
+        if eff.get(key) is not None:
+            values[key] = _profile_number(eff, key, "efficiency", source)
+            _check_overhead(values[key], key, "efficiency", source, "a fixed cost per decode step")
     for key in (*PROFILE_FRACTIONS, *PROFILE_OPTIONAL_FRACTIONS):
         if key in values and not 0 < values[key] <= PROFILE_MAX_FRACTION:
             raise SpecError(
@@ -1324,6 +1335,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
             mfu_infer=te.mfu_infer * flops,
             hbm_eff=te.hbm_eff * bw,
             decode_overhead_s=te.decode_overhead_s,
+            decode_multirow_s=te.decode_multirow_s,
             train_overhead_s=te.train_overhead_s,
             mfu_decode=None if te.mfu_decode is None else te.mfu_decode * flops,
             decode_combine=te.decode_combine,
@@ -1456,20 +1468,38 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         )
     # the two ways a decode step's reads and arithmetic combine (TypeEfficiency.decode_combine), each fitted to every
     # decode point, the points spanning one row to a full batch: the one with the smaller relative error is the device's
-    combine, steps = "max", [p["step_s"] for p in out["decode"]]
+    combine, steps, multirow_s = "max", [p["step_s"] for p in out["decode"]], 0.0
     rms = {}
     if decode_rate is not None:
         rms["max"] = relative_rms(
             [overhead + max(p["bytes"] / bw, p["flops"] / decode_rate) for p in out["decode"]], steps
         )
-        try:
-            per_byte, per_flop, c = fit_relative([[p["bytes"], p["flops"], 1.0] for p in out["decode"]], steps)
-        except ValueError:
-            per_byte = per_flop = c = -1.0
-        if per_byte > 0 and per_flop > 0 and c >= 0:
-            rms["sum"] = relative_rms([c + p["bytes"] * per_byte + p["flops"] * per_flop for p in out["decode"]], steps)
+
+        # the serialised form, with a fixed part a step of more rows costs besides (decode_multirow_s: a core's GEMM
+        # path against its one-row matrix-vector path) where the points have both kinds of step and it comes out
+        # >= 0; else without it
+        def multirow(p: dict) -> float:
+            return float(p["batch"] > 1)
+
+        def sum_fit(features):
+            try:
+                x = fit_relative([[f(p) for f in features] for p in out["decode"]], steps)
+            except ValueError:
+                return None
+            return x if min(x) >= 0 and x[0] > 0 and x[1] > 0 else None
+
+        base = (lambda p: p["bytes"], lambda p: p["flops"], lambda p: 1.0)
+        both = len({multirow(p) for p in out["decode"]}) == 2
+        fit = (sum_fit((*base, multirow)) if both else None) or sum_fit(base)
+        if fit is not None:
+            per_byte, per_flop, c, *rest = fit
+            extra = rest[0] if rest else 0.0
+            rms["sum"] = relative_rms(
+                [c + p["bytes"] * per_byte + p["flops"] * per_flop + extra * multirow(p) for p in out["decode"]],
+                steps,
+            )
             if rms["sum"] < rms["max"]:
-                combine, bw, overhead, decode_rate = "sum", 1.0 / per_byte, c, 1.0 / per_flop
+                combine, bw, overhead, decode_rate, multirow_s = "sum", 1.0 / per_byte, c, 1.0 / per_flop, extra
     prefill_rate, prefill_c, r2_prefill = fit_rate(
         [p["flops"] for p in out["prefill"]], [p["step_s"] for p in out["prefill"]], "prefill"
     )
@@ -1507,6 +1537,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "copy_tbps": out["copy_tbps"],
         "decode_tbps": bw / 1e12,
         "decode_overhead_s": overhead,
+        "decode_multirow_s": multirow_s,
         "decode_fit_points": len(out["decode"]) if combine == "sum" else len(use),
         "decode_r2": r2_decode,
         **({} if decode_rate is None else {"decode_tflops": decode_rate / 1e12, "decode_compute_points": len(compute)}),
@@ -1529,6 +1560,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         "mfu_infer": prefill_rate / peak,
         "hbm_eff": bw / hbm,
         "decode_overhead_s": overhead,
+        **({} if not multirow_s else {"decode_multirow_s": multirow_s}),
         "train_overhead_s": train_overhead,
         **({} if decode_rate is None else {"mfu_decode": decode_rate / peak}),
         **({} if combine == "max" else {"decode_combine": combine}),
@@ -1555,7 +1587,8 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     if combine == "sum":
         log(
             f"decode:  bytes / {m['decode_tbps'] * 1e3:.2f} GB/s + FLOPs / {decode_rate / 1e9:.2f} GFLOP/s + "
-            f"{m['decode_overhead_s'] * 1e3:.3f} ms/step (reads and arithmetic serialised: least squares over all "
+            f"{m['decode_overhead_s'] * 1e3:.3f} ms/step + {multirow_s * 1e3:.3f} ms for more than one row (reads and "
+            "arithmetic serialised: least squares over all "
             f"{len(out['decode'])} points; relative rms {fits})"
         )
     else:

@@ -319,8 +319,8 @@ def test_workload_train_passes_reaches_the_cli_and_is_checked(tmp_path):
 def synthetic_points(bw=4e9, overhead=0.002, decode_rate=3e10, prefill=6e10, train=5e10, c_train=0.3, opt_steps=2,
                      params=3_000_000, link=8e8, latency=1e-4) -> dict:  # fmt: skip
     """A profile's raw points made from known constants (device_profile.profile_device's structure)."""
-    memory = [{"bytes": b, "flops": 1e6, "step_s": b / bw + overhead} for b in (1.2e7, 1.3e7, 8e7, 8.8e7)]
-    compute = [{"bytes": 2e7, "flops": f, "step_s": f / decode_rate + overhead} for f in (4e8, 8e8, 1.6e9)]
+    memory = [{"batch": 1, "bytes": b, "flops": 1e6, "step_s": b / bw + overhead} for b in (1.2e7, 1.3e7, 8e7, 8.8e7)]
+    compute = [{"batch": 64, "bytes": 2e7, "flops": f, "step_s": f / decode_rate + overhead} for f in (4e8, 8e8, 1.6e9)]
     return {
         "device": "synthetic",
         "gemm_tflops": 0.1,
@@ -386,8 +386,8 @@ def test_finish_profile_keeps_the_decode_form_the_points_fit():
     decode_combine "sum" and recovers its constants; the max-made points above keep "max" (no key written)."""
     bw, rate, c = 4e9, 3e10, 0.002
     pts = synthetic_points()
-    shapes = [(1.2e7, 1e6), (8e7, 7e6), (1.3e7, 8e6), (1.3e7, 1e8), (2e7, 4e8), (8.5e7, 1.6e9)]
-    pts["decode"] = [{"bytes": b, "flops": f, "step_s": b / bw + f / rate + c} for b, f in shapes]
+    shapes = [(1, 1.2e7, 1e6), (1, 8e7, 7e6), (8, 1.3e7, 8e6), (64, 1.3e7, 1e8), (64, 2e7, 4e8), (64, 8.5e7, 1.6e9)]
+    pts["decode"] = [{"batch": n, "bytes": b, "flops": f, "step_s": b / bw + f / rate + c} for n, b, f in shapes]
     gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
     out = cm.finish_profile(pts, gpu, log=lambda *_: None)
     e, m = out["efficiency"], out["measured"]
@@ -395,12 +395,58 @@ def test_finish_profile_keeps_the_decode_form_the_points_fit():
     assert e["hbm_eff"] == pytest.approx(bw / 1e10) and e["mfu_decode"] == pytest.approx(rate / 1e11)
     assert e["decode_overhead_s"] == pytest.approx(c) and m["decode_rel_rms_sum"] == pytest.approx(0.0, abs=1e-9)
     assert m["decode_rel_rms_max"] > 0.05
+    assert e.get("decode_multirow_s", 0.0) == pytest.approx(0.0, abs=1e-9)  # no more for more rows: none fitted
     prof = cm.profile_from_dict({**out, "gpu_type": "cpu"}, "p")
     assert prof.efficiency.decode_combine == "sum"
     applied = cm.apply_profile(cm.Efficiency(), cpu_cluster(), prof, "p").of("cpu")
     assert applied.decode_combine == "sum"  # rescaled to the cluster's nominal numbers, the form kept
     plain = cm.finish_profile(synthetic_points(), gpu, log=lambda *_: None)
     assert "decode_combine" not in plain["efficiency"] and plain["measured"]["decode_combine"] == "max"
+
+
+def serialised_decode_points(multirow_s: float, bw=4e9, rate=3e10, c=0.002) -> list[dict]:
+    """Decode points of a serialised step (bytes / bw + FLOPs / rate + c) whose steps of more than one row cost
+    `multirow_s` more: one-row steps on three models and a few contexts, wider ones on two."""
+    shapes = [(1, 1.2e7, 1e6), (1, 1.25e7, 1.1e6), (1, 8e7, 7e6), (1, 8.2e7, 7.2e6), (1, 6e5, 4e5),
+              (8, 1.3e7, 8e6), (64, 1.8e7, 4e8), (64, 2.2e7, 4.1e8), (8, 8.5e7, 6e7), (64, 9.7e7, 2.5e9)]  # fmt: skip
+    return [
+        {"batch": n, "bytes": b, "flops": f, "step_s": b / bw + f / rate + c + (multirow_s if n > 1 else 0.0)}
+        for n, b, f in shapes
+    ]
+
+
+def test_a_multi_row_steps_fixed_part_is_fitted_charged_above_one_row_and_checked(tmp_path):
+    """Points whose steps of more than one row cost 1.5 ms more (a core's GEMM path against its one-row
+    matrix-vector path): finish_profile recovers that part beside the serialised step's constants, the profile
+    carries it to the cluster's type, and decode_round_s charges it to every step of more than one row, stretched by
+    a replica's share of the device like the per-step overhead. A fit whose part comes out negative leaves it out;
+    a profile that gives a negative one is refused."""
+    bw, rate, c, extra = 4e9, 3e10, 0.002, 0.0015
+    pts = synthetic_points()
+    pts["decode"] = serialised_decode_points(extra, bw, rate, c)
+    gpu = cm.GPUType("cpu", 2, 0.1, 0.01, 0.05, 2.0)
+    out = cm.finish_profile(pts, gpu, log=lambda *_: None)
+    e, m = out["efficiency"], out["measured"]
+    assert e["decode_combine"] == "sum" and m["decode_rel_rms_sum"] == pytest.approx(0.0, abs=1e-9)
+    assert e["decode_multirow_s"] == pytest.approx(extra) and m["decode_multirow_s"] == pytest.approx(extra)
+    assert e["hbm_eff"] == pytest.approx(bw / 1e10) and e["mfu_decode"] == pytest.approx(rate / 1e11)
+    assert e["decode_overhead_s"] == pytest.approx(c)
+    te = cm.apply_profile(cm.Efficiency(), cpu_cluster(), cm.profile_from_dict({**out, "gpu_type": "cpu"}, "p"), "p")
+    te = te.of("cpu")
+    assert te.decode_multirow_s == pytest.approx(extra)
+    model, cluster_gpu = cm.load_model_spec(TINY), cpu_cluster().gpu("cpu")
+    without = replace(te, decode_multirow_s=0.0)
+    for batch, speed in ((1, 1.0), (2, 1.0), (64, 1.0), (1, 0.5), (8, 0.5)):
+        args = (model, cluster_gpu)
+        rest = (1, 1, batch, 40.0, 4, 1.0, speed)
+        more = cm.decode_round_s(*args, te, *rest) - cm.decode_round_s(*args, without, *rest)
+        assert more == pytest.approx(extra / speed if batch > 1 else 0.0, abs=1e-12)
+    # steps of more rows no slower than the line of one-row steps: the part would be < 0, the fit leaves it out
+    pts["decode"] = serialised_decode_points(-0.0005, bw, rate, c)
+    faster = cm.finish_profile(pts, gpu, log=lambda *_: None)
+    assert "decode_multirow_s" not in faster["efficiency"] and faster["measured"]["decode_multirow_s"] == 0.0
+    with pytest.raises(cm.SpecError, match=r"p\.yaml: efficiency\.decode_multirow_s = -0\.001 s < 0 is not physically"):
+        cm.load_profile(write(tmp_path, profile_doc(decode_multirow_s=-0.001), "p.yaml"))
 
 
 def test_refit_fits_a_stored_profile_again_with_this_version(tmp_path, capsys):
