@@ -89,6 +89,8 @@ class Throttle:
     emulation: Emulation | None = None
     type_name: str = ""
     slept_s: dict[str, float] = field(default_factory=lambda: dict.fromkeys(KINDS, 0.0))
+    # the piece in progress: (kind, its wall clock and CPU clock where its unpadded work began)
+    _open: tuple[str, float, float] | None = field(default=None, repr=False)
 
     @property
     def active(self) -> bool:
@@ -134,9 +136,30 @@ class Throttle:
 
     @contextlib.contextmanager
     def piece(self, kind: str):
-        t0, c0 = time.perf_counter(), time.thread_time()
-        yield
+        self._open = (kind, time.perf_counter(), time.thread_time())
+        try:
+            yield
+            kind, t0, c0 = self._open
+            self.pad(kind, time.perf_counter() - t0, time.thread_time() - c0)
+        finally:
+            self._open = None
+
+    @contextlib.contextmanager
+    def waiting(self):
+        """A wait on another rank inside a piece (a pipeline stage receiving an activation or a gradient): the
+        piece's work so far is padded before it, and the wait is not work. So each stretch of work between two waits
+        takes as long as on the emulated device, when it runs: a slow pipeline stage's micro-batches are slow when
+        the next stage waits for them, and the 1F1B bubble comes out as the device's, not hidden in one pad at the
+        end of the step. Outside a piece it does nothing."""
+        if self._open is None:
+            yield
+            return
+        kind, t0, c0 = self._open
         self.pad(kind, time.perf_counter() - t0, time.thread_time() - c0)
+        try:
+            yield
+        finally:
+            self._open = (kind, time.perf_counter(), time.thread_time())
 
     @staticmethod
     def for_rank(plan: dict, rank: int) -> Throttle:

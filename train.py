@@ -173,14 +173,19 @@ def load_policy(cfg: Config, device: torch.device):
     return model.to(device).eval()
 
 
-def make_trainer(cfg: Config, groups, device: torch.device):
+def make_trainer(cfg: Config, groups, device: torch.device, throttle: Throttle | None = None):
+    """The train rank's Trainer; under an emulated device type (`throttle`) its pipeline's waits on neighbouring
+    stages are not padded as work, the work between them is (Throttle.waiting)."""
     from parallel.trainer import Trainer
 
     # temperature 0 is greedy sampling, whose tokens are scored under the untempered policy
     temperature = cfg.rollout.temperature or 1.0
     # the trainer computes in bf16 or fp32 (an fp16 rollout model still trains in fp32)
     compute_dtype = torch.bfloat16 if resolve_dtype(cfg, device) == torch.bfloat16 else torch.float32
-    return Trainer(cfg.model.path, groups, cfg.train, device, temperature=temperature, compute_dtype=compute_dtype)
+    trainer = Trainer(cfg.model.path, groups, cfg.train, device, temperature=temperature, compute_dtype=compute_dtype)
+    if throttle is not None:
+        trainer.links.waiting = throttle.waiting
+    return trainer
 
 
 def broadcast_json(obj, src: int, group) -> dict:
@@ -585,8 +590,9 @@ def run_train_follower(groups, trainer, throttle: Throttle | None = None) -> Non
         if kind == "abort":
             raise Aborted(cmd["reason"])
         if kind == "train":
+            batch = receive_batch(cmd, head, groups.train_group)  # a wait on the head, not work
             with throttle.piece("compute"):
-                trainer.train_step(receive_batch(cmd, head, groups.train_group))
+                trainer.train_step(batch)
         elif kind == "sync":
             send_version(trainer, **{**cmd["args"], "dtype": getattr(torch, cmd["args"]["dtype"].split(".")[-1])})
         elif kind == "checkpoint":
@@ -975,7 +981,7 @@ def main(argv: list[str]) -> int:
         worker.run()
         return 0
     if rank != head:
-        trainer = make_trainer(cfg, groups, device)
+        trainer = make_trainer(cfg, groups, device, throttle)
         checkpoint, _ = resolve_resume(cfg, groups)
         if checkpoint is not None:
             load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))
@@ -983,7 +989,7 @@ def main(argv: list[str]) -> int:
         return 0
     channel = Channel(groups.rollout_ranks)
     try:
-        trainer = make_trainer(cfg, groups, device)
+        trainer = make_trainer(cfg, groups, device, throttle)
         checkpoint, state = resolve_resume(cfg, groups)
         if checkpoint is not None:
             load_train_shard(trainer, checkpoint, rank, len(groups.train_ranks))

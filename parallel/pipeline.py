@@ -12,6 +12,7 @@ Sends and receives in opposite directions are posted together (batch_isend_irecv
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -29,6 +30,8 @@ class StageLinks:
     group: Any
     device: torch.device
     act_dtype: torch.dtype = torch.float32  # activations always travel in fp32 (bf16 compute casts on entry)
+    # wraps every wait on a neighbour: an emulated device type's throttle pads the work before it (Throttle.waiting)
+    waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @classmethod
     def from_groups(cls, groups, device) -> StageLinks:
@@ -58,8 +61,9 @@ class StageLinks:
             ops.append(dist.P2POp(dist.irecv, buf, peer, self.group))
             out.append(buf)
         if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
+            with self.waiting():
+                for work in dist.batch_isend_irecv(ops):
+                    work.wait()
         return out
 
 

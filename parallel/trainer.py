@@ -426,7 +426,8 @@ class Trainer:
                 if name == "lm_head.weight" and self._tied_across_stages():
                     continue
                 sq += local(p.grad).double().pow(2).sum()
-        dist.all_reduce(sq, group=g.train_group)
+        with self.links.waiting():  # every stage waits here for the slowest one's last backward
+            dist.all_reduce(sq, group=g.train_group)
         return sq.sqrt().float()
 
     # ------------------------------------------------------------------------------------------------------------
@@ -471,7 +472,8 @@ class Trainer:
         n_mb = torch.tensor([float(len(mb.micro)) for mb in minibatches], device=self.device).sum()
         if g.pp_rank != 0 or g.tp_rank != 0:
             n_mb.zero_()
-        dist.all_reduce(n_mb, group=g.train_group)
+        with self.links.waiting():
+            dist.all_reduce(n_mb, group=g.train_group)
         loss, n_valid, n_loss, clipped, w_sum, ent_sum, kl_sum = sums
         return {
             "loss": loss / k,
@@ -501,8 +503,9 @@ class Trainer:
         if not (g.is_last_stage and g.tp_rank == 0):
             totals = torch.zeros_like(totals)
         sums, w_max = totals[:7].clone(), totals[7:].clone()
-        dist.all_reduce(sums, group=g.train_group)
-        dist.all_reduce(w_max, op=dist.ReduceOp.MAX, group=g.train_group)
+        with self.links.waiting():
+            dist.all_reduce(sums, group=g.train_group)
+            dist.all_reduce(w_max, op=dist.ReduceOp.MAX, group=g.train_group)
         return sums.tolist(), w_max.item()
 
     def compute_gradients(self, trajectories: list) -> float:

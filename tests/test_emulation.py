@@ -2,11 +2,13 @@
 generator-step split, and an emulated run end to end."""
 
 import json
+import os
 import statistics
 import subprocess
 import sys
 import time
 import types
+from pathlib import Path
 
 import pytest
 from tiny import ENV, ROOT, torchrun
@@ -62,6 +64,83 @@ def test_a_link_piece_is_a_wait_and_costs_its_wall_time():
             took = time.perf_counter() - t0
         ratios.append((time.perf_counter() - t0) / took)
     assert statistics.median(ratios) == pytest.approx(1 / 0.5, rel=0.10)
+
+
+def cpu_busy(seconds: float) -> None:
+    """Burns `seconds` of this thread's CPU time (what a throttle prices), however the host time-slices it."""
+    end = time.thread_time() + seconds
+    while time.thread_time() < end:
+        pass
+
+
+def test_a_wait_inside_a_piece_pads_the_work_before_it_and_is_not_work():
+    """work, a wait on another rank, work: each stretch of work takes cpu / fraction when it runs, and the wait
+    adds its own length -- the wait neither absorbs the padding (as a piece padded once at its end would let it)
+    nor is stretched."""
+    throttle = Throttle(Emulation(compute=0.25))
+    took, first = [], []
+    for _ in range(3):
+        t0 = time.perf_counter()
+        with throttle.piece("compute"):
+            cpu_busy(0.01)
+            with throttle.waiting():
+                first.append(time.perf_counter() - t0)  # the work before the wait is already padded
+                time.sleep(0.04)
+            cpu_busy(0.01)
+        took.append(time.perf_counter() - t0)
+    assert statistics.median(first) == pytest.approx(0.01 / 0.25, rel=0.15)
+    assert statistics.median(took) == pytest.approx(2 * 0.01 / 0.25 + 0.04, rel=0.15)
+    assert throttle.slept_s["compute"] == pytest.approx(3 * 2 * 0.01 * (1 / 0.25 - 1), rel=0.15)
+    t0 = time.perf_counter()
+    with throttle.waiting():  # outside a piece: nothing to pad
+        time.sleep(0.01)
+    assert time.perf_counter() - t0 < 0.01 + 0.02
+
+
+def _pipeline_worker(rank: int, init_file: str, out_dir: str, m: int, cpu_s: float, fraction: float) -> None:
+    """One stage of a 2-stage 1F1B pipeline (parallel/pipeline.py) whose every forward costs `cpu_s` of CPU time,
+    on an emulated type of compute `fraction`, the waits on the other stage hooked to the throttle as the trainer's
+    are (train.make_trainer). Writes this stage's seconds for the whole pipeline."""
+    import torch
+    import torch.distributed as dist
+
+    from parallel.pipeline import StageLinks, train_1f1b
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    throttle = Throttle(Emulation(compute=fraction))
+    links = StageLinks(None if rank == 0 else 0, 1 if rank == 0 else None, None, torch.device("cpu"))
+    links.waiting = throttle.waiting
+    weight = torch.ones(4, requires_grad=True)
+
+    def step(i: int, x):
+        cpu_busy(cpu_s)
+        return weight.reshape(1, 1, 4) * 1.0 if x is None else (x.reshape(4) * weight).sum()
+
+    train_1f1b(links, m, lambda i: (1, 1, 4), step, rank, 2)  # unthrottled, to connect the pair before timing
+    dist.barrier()
+    t0 = time.perf_counter()
+    with throttle.piece("compute"):
+        train_1f1b(links, m, lambda i: (1, 1, 4), step, rank, 2)
+    (Path(out_dir) / f"{rank}.json").write_text(json.dumps({"seconds": time.perf_counter() - t0}))
+    dist.barrier()
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def test_a_throttled_pipeline_runs_the_emulated_devices_1f1b_not_one_pad_at_the_end(tmp_path):
+    """Two stages of one emulated type, m = 2 micro-batches whose forward costs t = cpu / fraction on the device:
+    the second stage cannot start until the first's first forward is done, so the pipeline takes (m + 1) t, as on
+    the device (cost_model.train_step_times: sum_k t_k + (m - 1) max_k t_k). Padded once at the end of the step
+    instead, each stage would run at this machine's speed and the pipeline would take m t: the bubble hidden."""
+    import torch.multiprocessing as mp
+
+    m, cpu_s, fraction = 2, 0.03, 0.25
+    t = cpu_s / fraction
+    mp.spawn(_pipeline_worker, args=(str(tmp_path / "init"), str(tmp_path), m, cpu_s, fraction), nprocs=2)
+    last = json.loads((tmp_path / "1.json").read_text())["seconds"]
+    assert last == pytest.approx((m + 1) * t, rel=0.15), last
 
 
 def test_a_contended_piece_past_its_fraction_is_not_padded():
