@@ -11,7 +11,8 @@ same price per rank, so that neither all-of-one-type cluster of the same budget 
 
   planner        `schedule.py`'s plan for the cluster
   swapped        the planner's roles swapped: each machine trains on the ranks it generated on and vice versa
-  mixed          one rank of each type per role (train dp 2 across the types, one rollout replica of each)
+  mixed          one rank of each type per role (the trainer a 2-stage pipeline across the types, one rollout
+                 replica of each)
   all-<type>     the planner's plan for the same machines all of one type (the same budget, prices equal)
 
 Each plan is planned and priced with the device profile of this machine (--profile, `schedule.py profile`), whose
