@@ -191,8 +191,8 @@ def profile_device(
     rollout rank's do, padded after every step, and are timed by their CPU time as before (the padding not counted).
     Their constants are then this machine's as that type's rank gets it -- after each of the throttle's pauses, which
     cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
-    Training steps are one padded piece each in the runtime (one pause per step) and the link is padded by its wall
-    time, exactly: neither is throttled here, the link and the TP and DP steps are not measured, and a planner given this
+    A training step's work is padded by its CPU time in the runtime (after the step, or before each wait of a
+    pipeline stage on its neighbours) and the link is padded by its wall time, exactly: neither is throttled here, the link and the TP and DP steps are not measured, and a planner given this
     machine's profile first keeps its training constants for every type (cost_model.apply_profile).
     `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
