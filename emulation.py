@@ -141,8 +141,7 @@ class Throttle:
         self._open = (kind, time.perf_counter(), time.thread_time())
         try:
             yield
-            kind, t0, c0 = self._open
-            self.pad(kind, time.perf_counter() - t0, time.thread_time() - c0)
+            self._pad_open()
         finally:
             self._open = None
 
@@ -156,12 +155,16 @@ class Throttle:
         if self._open is None:
             yield
             return
-        kind, t0, c0 = self._open
-        self.pad(kind, time.perf_counter() - t0, time.thread_time() - c0)
+        self._pad_open()
         try:
             yield
         finally:
-            self._open = (kind, time.perf_counter(), time.thread_time())
+            self._open = (self._open[0], time.perf_counter(), time.thread_time())
+
+    def _pad_open(self) -> None:
+        """Pads the open piece's work since its clocks were last set."""
+        kind, t0, c0 = self._open
+        self.pad(kind, time.perf_counter() - t0, time.thread_time() - c0)
 
     @staticmethod
     def for_rank(plan: dict, rank: int) -> Throttle:
