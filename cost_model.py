@@ -370,6 +370,8 @@ class Workload:
     microbatch_tokens: int = 16384  # training micro-batch token budget
     max_batch: int = 256  # cap on concurrent sequences per rollout replica
     train_passes: float = 4.0  # forward+backward = 3 forward passes, +1 for the proximal log-prob recompute
+    # rollout.interrupt_mode "recompute": a weight update re-prefills every running sequence's K/V (rollout.py)
+    kv_recompute: bool = True
 
     def __post_init__(self) -> None:
         if self.prompts_per_step < 1 or self.samples_per_prompt < 1:
@@ -384,6 +386,8 @@ class Workload:
             raise SpecError("workload: ppo_minibatches, microbatch_tokens and max_batch must be >= 1")
         if not self.train_passes > 0:
             raise SpecError(f"workload: train_passes must be > 0, got {self.train_passes}")
+        if not isinstance(self.kv_recompute, bool):
+            raise SpecError(f"workload: kv_recompute must be true or false, got {self.kv_recompute!r}")
 
     @staticmethod
     def from_quantiles(mean: float, quantiles: dict[float, float] | None = None, n: int = 64, **kw) -> Workload:
@@ -698,19 +702,50 @@ def replica_cost(
 
 
 def rollout_seconds(
-    model: ModelSpec, wl: Workload, tokens_per_s: float, prefill_tflops: float, tail_tokens_per_s: float
+    model: ModelSpec,
+    wl: Workload,
+    tokens_per_s: float,
+    prefill_tflops: float,
+    tail_tokens_per_s: float,
+    running_seqs: float = 0.0,
+    train_s: float = 0.0,
 ) -> float:
     """C_ROLLOUT per step: decode B*E[g] tokens at the aggregate rate Sigma y*h (Eq. 2 with continuous x_psi),
-    plus prefill (2 * params * prompt FLOPs per sequence on the replicas' compute). With eta >= 1 admission
-    keeps every replica full while long sequences finish, so the output-length tail is hidden (it shows up as
-    staleness in the simulator); with eta = 0 (synchronous) the step waits for its longest sequence:
-    max(g) decode rounds of the fastest replica."""
+    plus prefill (2 * params FLOPs per prefilled token on the replicas' compute): each GRPO group's prompt once, and
+    the K/V a weight update makes the running sequences recompute (recompute_tokens). With eta >= 1 admission keeps
+    every replica full while long sequences finish, so the output-length tail is hidden (it shows up as staleness in
+    the simulator); with eta = 0 (synchronous) the step waits for its longest sequence: max(g) decode rounds of the
+    fastest replica.
+    `running_seqs` (the replicas' batches summed) and `train_s` (the train step) say how much a weight update
+    interrupts: a rollout side that finishes its batch, recompute included, before the trainer does sits idle at the
+    staleness bound when the next version arrives (nothing to recompute); one still busy after the step -- the
+    bottleneck -- holds all its running sequences; in between, the recompute grows with the overrun."""
     if tokens_per_s <= 0:
         return math.inf
+    flop_s = prefill_tflops * 1e12 / (2 * model.params)  # prefilled tokens / s
     decode = wl.batch * wl.gen_mean / tokens_per_s
-    prefill = wl.batch * wl.prompt_len * 2 * model.params / (prefill_tflops * 1e12)
     tail = wl.gen_max / tail_tokens_per_s if wl.eta == 0 else 0.0
-    return max(decode, tail) + prefill
+    base = max(decode, tail) + prompt_prefill_tokens(wl) / flop_s
+    full = recompute_tokens(wl, running_seqs) / flop_s
+    if full <= 0:
+        return base
+    return base + full * min(1.0, max(0.0, (base + full - train_s) / full))
+
+
+def prompt_prefill_tokens(wl: Workload) -> float:
+    """Prompt tokens a step's generators prefill, as rollout.Generator does: each GRPO group's prompt once (its
+    samples share the prompt's K/V blocks), but its last token, which rides in the first decode step."""
+    return wl.prompts_per_step * max(wl.prompt_len - 1.0, 0.0)
+
+
+def recompute_tokens(wl: Workload, running_seqs: float) -> float:
+    """Tokens whose K/V a weight update has `running_seqs` running sequences recompute, as rollout.Generator does in
+    "recompute" interrupt mode: each the context it holds (the mean: Workload.decode_context) but its last token,
+    once per step. None where no update interrupts decoding (eta = 0: the step waits for every sequence) or the
+    run keeps the stale K/V."""
+    if wl.eta < 1 or not wl.kv_recompute:
+        return 0.0
+    return running_seqs * max(wl.decode_context - 1.0, 0.0)
 
 
 # ----------------------------------------------------------------------------- training

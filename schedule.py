@@ -605,7 +605,13 @@ class Planner:
         rollout_s = inf
         if rollout:
             rollout_s = cm.rollout_seconds(
-                self.model, self.wl, rollout.tokens_per_s, rollout.prefill_tflops, rollout.seq_tokens_per_s
+                self.model,
+                self.wl,
+                rollout.tokens_per_s,
+                rollout.prefill_tflops,
+                rollout.seq_tokens_per_s,
+                sum(c.cost.batch for c, _ in rollout.replicas),
+                train_s,
             )
         sync_s = sync_send_s = inf
         if train and rollout:
@@ -1370,6 +1376,12 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
         help="forward-pass equivalents per trained token: 4 (forward, backward, the proximal log-prob recompute), "
         "3 when the run skips the recompute (ppo_minibatches 1 reads pi_prox off the training forward)",
     )
+    ap.add_argument(
+        "--interrupt-mode",
+        default="recompute",
+        choices=("recompute", "keep"),
+        help="the run's rollout.interrupt_mode: recompute re-prefills the running sequences at each weight update",
+    )
 
 
 def workload_from(a: argparse.Namespace) -> Workload:
@@ -1393,6 +1405,7 @@ def workload_from(a: argparse.Namespace) -> Workload:
         microbatch_tokens=a.microbatch_tokens,
         ppo_minibatches=a.ppo_minibatches,
         train_passes=a.train_passes,
+        kv_recompute=a.interrupt_mode == "recompute",
     )
 
 

@@ -6,6 +6,7 @@ Prices the run's own split -- its train layout (dp x tp x pp) and rollout replic
 <run>/layout.json -- with the cost model (schedule.Planner.evaluate) on the cluster YAML resized to the run's world
 size, the profile applied (cost_model.apply_profile), and the workload of the run's config.yaml:
   prompts_per_step, samples_per_prompt, max_staleness (eta), ppo_minibatches, micro_batch_tokens, max_batch_size,
+  interrupt_mode (whether a weight update re-prefills the running sequences),
   the weight-sync dtype (precision), and train_passes as the trainer runs them: 3 (forward + backward) when it reads
   pi_prox off the training forward (ppo_minibatches 1, or no recompute), 4 with the recompute, +1 for a KL reference;
   the prompt length: the mean token count of the task's training prompts (the tokenizer of model.path; --prompt-len
@@ -103,6 +104,7 @@ def workload(cfg: dict, rows: list[dict], prompt_len: float) -> cm.Workload:
         microbatch_tokens=int(cfg["train"]["micro_batch_tokens"]),
         max_batch=int(cfg["rollout"]["max_batch_size"]),
         train_passes=train_passes(cfg["train"]),
+        kv_recompute=cfg["rollout"].get("interrupt_mode", "recompute") == "recompute",
     )
 
 

@@ -70,6 +70,7 @@ def workload(cfg, prompt_len: float, gen_mean: float) -> cm.Workload:
         ppo_minibatches=cfg.train.ppo_minibatches,
         microbatch_tokens=cfg.train.micro_batch_tokens,
         max_batch=cfg.rollout.max_batch_size,
+        kv_recompute=cfg.rollout.interrupt_mode == "recompute",
         train_passes=train_passes(
             {
                 "ppo_minibatches": cfg.train.ppo_minibatches,

@@ -213,7 +213,7 @@ def rollout_per_gpu(model: cm.ModelSpec, dev: PaperDevice, te: cm.TypeEfficiency
     for tp in (1, 2, 4, 8):
         rc = cm.replica_cost(model, dev.gpu, tp, 1, wl, eff, dev.gpu.intra_gbps)
         if rc is not None:
-            seconds = cm.rollout_seconds(model, wl, rc.tokens_per_s, rc.prefill_tflops, rc.tokens_per_s)
+            seconds = cm.rollout_seconds(model, wl, rc.tokens_per_s, rc.prefill_tflops, rc.tokens_per_s, rc.batch)
             return wl.batch * wl.gen_mean / seconds / tp, tp
     raise cm.SpecError(f"{model.name} does not fit on one {dev.gpu.name} machine")
 

@@ -152,6 +152,80 @@ def test_decode_round_is_bytes_over_bandwidth_plus_the_per_step_overhead():
     assert old.of("H20").decode_overhead_s == 0.0
 
 
+def _generator(max_batch: int, interrupt_mode: str = "recompute"):
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from rollout import Generator
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)  # fmt: skip
+    model = LlamaForCausalLM(config).eval()
+    return model, Generator(model, max_batch_size=max_batch, max_seq_len=64, interrupt_mode=interrupt_mode)
+
+
+@pytest.mark.parametrize("groups,samples,prompt_len", [(3, 4, 7), (2, 8, 12), (5, 1, 3)])
+def test_prompt_prefill_is_priced_as_the_generator_prefills_it(groups, samples, prompt_len):
+    """A step's prompt prefill is each GRPO group's prompt once, but its last token (cm.prompt_prefill_tokens): the
+    tokens rollout.Generator prefills for a step's groups, its samples sharing the prompt's K/V, exactly."""
+    from rollout import SamplingParams
+
+    _, gen = _generator(max_batch=samples)
+    for g in range(groups):
+        prompt = [1 + (g * 7 + i) % 60 for i in range(prompt_len)]
+        for s in range(samples):
+            gen.add_request((g, s), prompt, SamplingParams(temperature=1.0, max_new_tokens=5, seed=g * 100 + s))
+    while gen.num_unfinished():
+        gen.step()
+    wl = cm.Workload(prompts_per_step=groups, samples_per_prompt=samples, prompt_len=prompt_len, gen_samples=[5.0])
+    assert gen.stats.prefill_tokens == cm.prompt_prefill_tokens(wl)
+    # the pre-sharing charge (every sample its whole prompt) is what the generator no longer does
+    assert cm.prompt_prefill_tokens(wl) <= wl.batch * wl.prompt_len / samples
+
+
+@pytest.mark.parametrize("running,prompt_len,generated", [(4, 7, 3), (8, 12, 10), (1, 2, 1)])
+def test_a_weight_update_recomputes_what_the_cost_model_charges(running, prompt_len, generated):
+    """cm.recompute_tokens: a weight update in "recompute" mode re-prefills every running sequence's context but its
+    last token -- rollout.Generator's recompute_tokens exactly, for sequences `generated` tokens in (the mean a
+    running sequence holds of g-token answers, Workload.decode_context, is g / 2 in: g = 2 * generated); none in
+    "keep" mode, and none at eta = 0, where the step waits for every sequence before the update."""
+    from rollout import SamplingParams
+
+    for mode in ("recompute", "keep"):
+        model, gen = _generator(max_batch=running, interrupt_mode=mode)
+        for s in range(running):
+            prompt = [1 + (s + i) % 60 for i in range(prompt_len)]
+            gen.add_request(s, prompt, SamplingParams(temperature=1.0, max_new_tokens=2 * generated + 5, seed=s))
+        for _ in range(generated):
+            gen.step()
+        gen.update_weights({k: v.clone() for k, v in model.state_dict().items()}, version=1)
+        wl = cm.Workload(prompt_len=prompt_len, gen_samples=[2.0 * generated], eta=1, kv_recompute=mode == "recompute")
+        assert gen.stats.recompute_tokens == cm.recompute_tokens(wl, running)
+    assert cm.recompute_tokens(cm.Workload(prompt_len=prompt_len, gen_samples=[2.0 * generated], eta=0), running) == 0
+
+
+def test_the_recompute_is_charged_as_far_as_the_rollout_overruns_the_train_step():
+    """A rollout side done with its batch before the train step sits idle at the staleness bound when the update
+    comes (no recompute); one still busy when the step ends (the bottleneck) recomputes all its running sequences;
+    in between, rollout_seconds is continuous and falls as the train step grows."""
+    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
+    wl = cm.Workload(prompts_per_step=64, samples_per_prompt=8, prompt_len=512, gen_samples=[2000.0], eta=2)
+    args = (model, wl, 5000.0, 100.0, 50.0)
+    base = cm.rollout_seconds(*args)  # nothing running
+    full = cm.recompute_tokens(wl, 256) * 2 * model.params / 100e12
+    assert base == pytest.approx(wl.batch * 2000 / 5000 + cm.prompt_prefill_tokens(wl) * 2 * model.params / 100e12)
+    assert cm.rollout_seconds(*args, 256, 0.0) == pytest.approx(base + full)  # the rollout is the bottleneck
+    assert cm.rollout_seconds(*args, 256, base + full) == pytest.approx(base)  # done, recompute included, in time
+    times = [cm.rollout_seconds(*args, 256, t) for t in [base + full * f for f in (0.0, 0.25, 0.5, 0.75, 1.0)]]
+    assert all(a > b for a, b in zip(times, times[1:])) and times[0] == pytest.approx(base + full)
+    assert cm.rollout_seconds(model, cm.Workload(**{**wl.to_dict(), "eta": 0}), 5000.0, 100.0, 50.0, 256, 0.0) == (
+        cm.rollout_seconds(model, cm.Workload(**{**wl.to_dict(), "eta": 0}), 5000.0, 100.0, 50.0)
+    )
+    with pytest.raises(cm.SpecError, match="kv_recompute"):
+        cm.Workload(kv_recompute="yes")
+
+
 def test_replica_memory_limits_batch_and_feasibility():
     wl = cm.Workload(gen_samples=[4000], max_batch=10**6)
     eff = cm.Efficiency()
