@@ -3,7 +3,7 @@
 # emulated device types (exp/clusters/cpu_hetero.yaml), predicted with this machine's device profile and run side
 # by side, round robin. Prints the table and writes <OUT>/hetero_summary.json.
 #
-#   bash exp/hetero_cpu.sh                                   # -> runs/hetero_cpu-<time>/ (25-45 min on 2 cores)
+#   bash exp/hetero_cpu.sh                                   # -> runs/hetero_cpu-<time>/ (30-75 min on 2 cores)
 #   OUT=runs/h STEPS=8 REPEATS=1 bash exp/hetero_cpu.sh      # shorter
 #   PROFILE=/tmp/mine.yaml bash exp/hetero_cpu.sh            # a profile of this machine taken before
 #
