@@ -279,6 +279,10 @@ class RolloutWorker:
         self.t_start = time.monotonic()
         self.idle_s = 0.0
         self.generate_s = 0.0
+        # the generator steps' own CPU seconds (this thread's; a throttle's sleeps cost none) and their count: with
+        # generate_s they split a replica's generation into its work, its padding and its waits for a core
+        self.generate_cpu_s = 0.0
+        self.generate_steps = 0
         self.generated_tokens = 0
         self.heartbeat_s = min(5.0, cfg.dist.rollout_timeout_s / 4)
         self.last_sent = time.monotonic()
@@ -437,9 +441,11 @@ class RolloutWorker:
         the rest (decode, memory-bound) by the bandwidth fraction. Its wall time, padding included, adds to
         generate_s: the rest of the loop's busy time (messages, scoring, sending groups) is what is left of
         elapsed_s - idle_s."""
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.thread_time()
         outs = self.throttle.generator_step(gen)
         self.generate_s += time.perf_counter() - t0
+        self.generate_cpu_s += time.thread_time() - c0
+        self.generate_steps += 1
         return outs
 
     def counters(self) -> dict:
@@ -449,6 +455,8 @@ class RolloutWorker:
             "elapsed_s": time.monotonic() - self.t_start,
             "idle_s": self.idle_s,
             "generate_s": self.generate_s,
+            "generate_cpu_s": self.generate_cpu_s,
+            "generate_steps": self.generate_steps,
             "reward_s": self.scorer.blocked_s if self.scorer else 0.0,
             "reward_service_s": self.scorer.pool.reward_s if self.scorer else 0.0,
             "generated_tokens": self.generated_tokens,

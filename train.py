@@ -889,6 +889,8 @@ class StepMetrics:
             "trainer_idle_frac": self.idle_s / max(now - self.t_start, 1e-9),
             "reward_s": pool.total("reward_s"),  # counters: seconds since the start, summed over rollout replicas
             "rollout_generate_s": pool.total("generate_s"),  # in generator steps (padding included)
+            "rollout_generate_cpu_s": pool.total("generate_cpu_s"),  # their CPU seconds (the rest: padding, waits)
+            "rollout_generate_steps": pool.total("generate_steps"),
             "rollout_prefill_s": pool.total("prefill_s"),
             "rollout_prefill_tokens": pool.total("prefill_tokens"),
             "rollout_throttle_s": pool.total("throttle_s"),  # sleeps of emulated device types (0 otherwise)

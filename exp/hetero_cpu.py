@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import socket
 import statistics
@@ -287,6 +288,7 @@ def main(argv: list[str] | None = None) -> int:
                     "trainer_idle_frac": statistics.fmean(r["trainer_idle_frac"] for r in rows),
                 },
                 "measured_tokens_per_s": sum(r["trained_tokens"] for r in rows) / sum(r["step_s"] for r in rows),
+                "generation": generation(per_run, len(pj["rollout"]["replicas"]), ev, sub),
                 "emulated": rows[0].get("emulated"),
             }
             entry["error"] = (entry["predicted_step_s"] - entry["measured_step_s"]) / entry["measured_step_s"]
@@ -318,6 +320,42 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(summary))
     print(f"wrote {out / 'hetero_summary.json'}")
     return 1 if failed else 0
+
+
+def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec: dict) -> dict:
+    """Where a replica's generation time goes, per RL step over the steady steps (the rollout counters' growth
+    from each run's first steady step to its last, averaged over the runs): its wall seconds in generator steps,
+    their CPU seconds, the throttle's padding, and the rest -- waits for a core the padding did not absorb -- with
+    the wall and CPU seconds of one generator step beside the model's (its decode round at the replica's batch;
+    times the type's bandwidth fraction and core share: the CPU work the throttle pads to the round). A prefill
+    rides in some generator steps; the model prices it apart. {} for runs without the counters."""
+    spans = [(rr[0], rr[-1]) for rr in per_run if len(rr) > 1 and "rollout_generate_cpu_s" in rr[-1]]
+    if not spans:
+        return {}
+
+    def per_step(key: str) -> float:
+        return statistics.fmean((b[key] - a[key]) / (b["step"] - a["step"]) for a, b in spans) / replicas
+
+    wall, cpu, pad, steps = (per_step(k) for k in ("rollout_generate_s", "rollout_generate_cpu_s",
+                                                    "rollout_throttle_s", "rollout_generate_steps"))  # fmt: skip
+    cluster = cm.cluster_from_dict(spec, "cluster").with_busy_devices(ev.busy_devices)
+    machine = [m.index for m in cluster.machines for _ in range(m.gpus)]
+    rounds = [replica.cost.round_s for replica, _ in ev.rollout.replicas]
+    priced = [
+        replica.cost.round_s * min(cluster.speed(machine[g], "bandwidth") for g in ids)
+        for replica, ids in ev.rollout.replicas
+    ]
+    return {
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "throttle_s": pad,
+        "wait_s": wall - cpu - pad,
+        "generator_steps": steps,
+        "wall_per_step_s": wall / steps if steps else math.nan,
+        "priced_wall_per_step_s": statistics.fmean(rounds) if rounds else math.nan,
+        "cpu_per_step_s": cpu / steps if steps else math.nan,
+        "priced_cpu_per_step_s": statistics.fmean(priced) if priced else math.nan,
+    }
 
 
 def describe(pj: dict) -> str:

@@ -216,8 +216,11 @@ def test_a_generator_step_pads_prefill_by_compute_and_the_rest_by_bandwidth():
 
     worker = RolloutWorker.__new__(RolloutWorker)
     worker.throttle, worker.generate_s = Throttle(Emulation(compute=0.5, bandwidth=0.25)), 0.0
+    worker.generate_cpu_s, worker.generate_steps = 0.0, 0
     assert worker.step(Gen()) == ["out"]
     assert worker.generate_s == pytest.approx(0.16, rel=0.15)  # the step's wall time, padding included
+    assert worker.generate_cpu_s == pytest.approx(0.05, rel=0.3)  # its work, not its padding
+    assert worker.generate_steps == 1
     assert worker.throttle.slept_s["compute"] == pytest.approx(0.02, rel=0.15)  # ~0.02 * (1/0.5 - 1)
     assert worker.throttle.slept_s["bandwidth"] == pytest.approx(0.09, rel=0.15)  # ~0.03 * (1/0.25 - 1)
 
@@ -252,6 +255,10 @@ def test_an_emulated_run_says_so_in_every_step_line(tmp_path, tiny_model_dir):
     assert steps[-1]["rollout_throttle_s"] > 0
     # the generator steps' wall time holds their padding and fits in the rollout ranks' time (2 ranks)
     assert steps[-1]["rollout_throttle_s"] < steps[-1]["rollout_generate_s"] < 2 * steps[-1]["elapsed_s"]
+    # their CPU seconds are the rest of it, less the waits for a core: work and padding fit in the wall time
+    last = steps[-1]
+    assert 0 < last["rollout_generate_cpu_s"] < last["rollout_generate_s"] - last["rollout_throttle_s"] + 1e-3
+    assert last["rollout_generate_steps"] >= steps[0]["rollout_generate_steps"] > 0  # the latest reports
 
 
 # -- the planner prices an emulated type at its fractions (cost_model.Cluster.speed) -----------------------------
@@ -370,3 +377,38 @@ def test_the_hetero_experiment_plans_five_splits_of_one_budget():
     pj, sub = plans["mixed"]
     again = hetero_cpu.predict(pj, sub, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
     assert again.step_s == pytest.approx(pj["predicted"]["step_s"])
+
+
+def test_the_hetero_summary_splits_a_replicas_generation_into_work_padding_and_waits():
+    sys.path.insert(0, str(ROOT / "exp"))
+    import hetero_cpu
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
+    model = cm.load_model_spec(ROOT / "exp/tiny-model")
+    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
+                     precision="fp32", microbatch_tokens=1024, max_batch=8, train_passes=3)  # fmt: skip
+    profile = [str(ROOT / "exp/profiles/cpu.yaml")]
+    pj, sub = hetero_cpu.make_plans(spec, model, wl, profile, 64.0)["planner"]
+    ev = hetero_cpu.predict(pj, sub, model, wl, profile, 64.0)
+    replicas = len(pj["rollout"]["replicas"])
+
+    def row(step: int, wall: float, cpu: float, pad: float, steps: int) -> dict:
+        return {"step": step, "rollout_generate_s": wall, "rollout_generate_cpu_s": cpu, "rollout_throttle_s": pad,
+                "rollout_generate_steps": steps}  # fmt: skip
+
+    # two runs; counters are cumulative sums over the replicas, so each run's growth per step is divided by both
+    runs = [[row(4, 10, 4, 3, 100), row(8, 10 + 4 * 6, 4 + 4 * 2, 3 + 4 * 3, 100 + 4 * 80)],
+            [row(4, 0, 0, 0, 0), row(6, 2 * 8, 2 * 2, 2 * 4, 2 * 120)]]  # fmt: skip
+    g = hetero_cpu.generation(runs, replicas, ev, sub)
+    assert g["wall_s"] == pytest.approx((6 + 8) / 2 / replicas)
+    assert g["cpu_s"] == pytest.approx((2 + 2) / 2 / replicas)
+    assert g["throttle_s"] == pytest.approx((3 + 4) / 2 / replicas)
+    assert g["wait_s"] == pytest.approx(g["wall_s"] - g["cpu_s"] - g["throttle_s"])
+    assert g["cpu_per_step_s"] == pytest.approx(g["cpu_s"] / ((80 + 120) / 2 / replicas))
+    # the priced CPU of a step is the priced round at the type's bandwidth fraction (no core contention here)
+    bandwidth = spec["gpu_types"][pj["rollout"]["replicas"][0]["gpu_type"]]["emulate"]["bandwidth"]
+    assert g["priced_wall_per_step_s"] == pytest.approx(pj["rollout"]["replicas"][0]["round_s"], rel=1e-6)
+    assert g["priced_cpu_per_step_s"] == pytest.approx(g["priced_wall_per_step_s"] * bandwidth, rel=1e-6)
+    assert hetero_cpu.generation([[row(4, 1, 1, 0, 1)]], replicas, ev, sub) == {}  # one steady step: no growth
+    assert hetero_cpu.generation([[{"step": 4}, {"step": 5}]], replicas, ev, sub) == {}  # runs before the counters

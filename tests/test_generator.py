@@ -700,7 +700,7 @@ def test_eval_and_rollout_generators_share_one_pool():
     worker.cfg.rollout.kv_seq_tokens = 8  # 32 tokens of pool: 4 slots
     worker.model, worker.tok, worker.gpu_options = model, SimpleNamespace(eos_token_id=eos), {}
     worker.weights_incomplete, worker.eval_gen, worker.scorer, worker.is_leader = False, None, None, False
-    worker.throttle, worker.generate_s = Throttle(), 0.0
+    worker.throttle, worker.generate_s, worker.generate_cpu_s, worker.generate_steps = Throttle(), 0.0, 0.0, 0
     worker.encoded = {("test", i): p for i, p in enumerate(PROMPTS)}
     worker.gen = Generator(
         model, max_batch_size=4, max_seq_len=32, kv_block_size=4, kv_cache_tokens=32, kv_seq_tokens=8
