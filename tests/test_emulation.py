@@ -343,7 +343,8 @@ def test_a_machine_profile_applies_to_every_emulated_type_and_a_type_profile_to_
         cm.apply_profile(cm.Efficiency(), plain, machine, "m.yaml")
 
 
-def test_the_hetero_experiment_plans_five_splits_of_one_budget():
+def hetero_experiment():
+    """exp/hetero_cpu.py, its cluster spec, the tiny model and the CPU demo's workload at 8 rows a replica."""
     sys.path.insert(0, str(ROOT / "exp"))
     import hetero_cpu
     import yaml
@@ -352,6 +353,11 @@ def test_the_hetero_experiment_plans_five_splits_of_one_budget():
     model = cm.load_model_spec(ROOT / "exp/tiny-model")
     wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
                      precision="fp32", microbatch_tokens=1024, max_batch=8, train_passes=3)  # fmt: skip
+    return hetero_cpu, spec, model, wl
+
+
+def test_the_hetero_experiment_plans_five_splits_of_one_budget():
+    hetero_cpu, spec, model, wl = hetero_experiment()
     plans = hetero_cpu.make_plans(spec, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
     assert list(plans) == ["planner", "swapped", "mixed", "all-h20ish", "all-h800ish"]
 
@@ -380,14 +386,7 @@ def test_the_hetero_experiment_plans_five_splits_of_one_budget():
 
 
 def test_the_hetero_summary_splits_a_replicas_generation_into_work_padding_and_waits():
-    sys.path.insert(0, str(ROOT / "exp"))
-    import hetero_cpu
-    import yaml
-
-    spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
-    model = cm.load_model_spec(ROOT / "exp/tiny-model")
-    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
-                     precision="fp32", microbatch_tokens=1024, max_batch=8, train_passes=3)  # fmt: skip
+    hetero_cpu, spec, model, wl = hetero_experiment()
     profile = [str(ROOT / "exp/profiles/cpu.yaml")]
     pj, sub = hetero_cpu.make_plans(spec, model, wl, profile, 64.0)["planner"]
     ev = hetero_cpu.predict(pj, sub, model, wl, profile, 64.0)
