@@ -72,6 +72,10 @@ class Cluster:
     # CPU clusters only: machine -> how many of its devices are busy at once on average, in the step being priced
     # (Planner.evaluate's estimate); a machine not in it counts every device busy. See speed.
     busy_devices: dict[int, float] = field(default_factory=dict)
+    # CPU emulation only: GPU type -> how much longer its decode steps take in wall time than its profile's CPU time
+    # at its fractions, beside the trainers of the split being priced (decode_contention; Planner.evaluate sets it).
+    # A type not in it: 1. See decode_speed.
+    decode_contention: dict[str, float] = field(default_factory=dict)
 
     @property
     def n_gpus(self) -> int:
@@ -104,9 +108,22 @@ class Cluster:
         demand = busy * (1.0 if emulate is None else emulate.demand)
         return fraction * (1.0 if demand <= m.host_cores else m.host_cores / demand)
 
-    def with_busy_devices(self, busy_devices: dict[int, float]) -> Cluster:
-        """The same cluster with each machine's devices busy at once on average as given (Cluster.speed)."""
-        return Cluster(self.name, self.gpu_types, self.machines, self.inter_gbps, self.machine_gbps, dict(busy_devices))
+    def with_busy_devices(
+        self, busy_devices: dict[int, float], decode_contention: dict[str, float] | None = None
+    ) -> Cluster:
+        """The same cluster with each machine's devices busy at once on average as given (Cluster.speed) and, when
+        given, each type's decode contention (decode_speed; else this cluster's)."""
+        contention = self.decode_contention if decode_contention is None else decode_contention
+        return Cluster(
+            self.name, self.gpu_types, self.machines, self.inter_gbps, self.machine_gbps, dict(busy_devices),
+            dict(contention),
+        )  # fmt: skip
+
+    def decode_speed(self, type_name: str) -> float:
+        """The fraction of its own decode rate a replica of this type runs at in wall time: type_speed of
+        "bandwidth" over the type's decode contention (1 unless the split being priced set one). Rates and CPU
+        work stay type_speed's; the contention is the wall time a CPU-emulated rank's steps lose beyond them."""
+        return self.type_speed(type_name, "bandwidth") / self.decode_contention.get(type_name, 1.0)
 
     def type_speed(self, type_name: str, kind: str = "compute") -> float:
         """Cluster.speed of a GPU type: its slowest machine's (the planner prices a rollout replica per type; on
@@ -483,6 +500,12 @@ class TypeEfficiency:
     # a one-row step runs matrix-vector products straight over the weights, a wider one GEMMs that first pack them
     # into blocks (a device profile fits it from its one-row and multi-row steps; 0 unless it did)
     decode_multirow_s: float = 0.0
+    # CPU emulation only: neighbour GPU type -> a decode step's wall time over its CPU time at this type's bandwidth
+    # fraction, with the host's trainers of that type (a device profile measures it beside each emulated type's
+    # trainers: the cores, caches and memory bandwidth shared with them cost the step CPU time and waits for a core
+    # the throttle's padding does not absorb). Empty: 1 (a GPU shares nothing with its neighbours). See
+    # decode_contention
+    decode_beside: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.decode_combine not in DECODE_COMBINES:
@@ -518,6 +541,40 @@ class Efficiency:
             return Efficiency()
         with open(path) as f:
             return Efficiency.from_dict(yaml.safe_load(f))
+
+
+def decode_beside_fit(measured: dict | None, own_type: str) -> dict[str, float]:
+    """TypeEfficiency.decode_beside from a profile's `decode_beside` points (device_profile._decode_beside): for each
+    neighbour type, the step's wall seconds over the CPU seconds of the same step beside the type's own trainers
+    (the co-load the profile's decode points were measured beside, so the fit prices that CPU time) at its bandwidth
+    fraction. Both are measured in one stretch, so a host that drifts between the profile's parts moves them alike.
+    {} without the points."""
+    if not measured or not measured.get("points"):
+        return {}
+    points = measured["points"]
+    if own_type not in points:
+        raise SpecError(
+            f"profile: decode_beside has no step beside {own_type}'s own trainers (only {sorted(points)}): the "
+            "neighbours' factors are relative to it"
+        )
+    priced = points[own_type]["cpu_s"] / measured["fraction"]
+    return {name: p["wall_s"] / priced for name, p in points.items()}
+
+
+def decode_contention(eff: Efficiency, train_gpus: dict[str, int]) -> dict[str, float]:
+    """GPU type -> its decode contention beside a split's trainers (Cluster.decode_contention), for each type whose
+    efficiency was measured beside neighbours (TypeEfficiency.decode_beside): the mean of its decode_beside over
+    the train GPUs, by their types (train_gpus: type -> train GPUs of it). A trainer type it was not measured beside
+    counts as its own type's trainers (the profile's co-load); neither measured: 1. Empty where no type has
+    decode_beside (a GPU cluster) or there are no trainers."""
+    total = sum(train_gpus.values())
+    out = {}
+    for name, te in eff.per_type.items():
+        if not te.decode_beside or total <= 0:
+            continue
+        own = te.decode_beside.get(name, 1.0)
+        out[name] = sum(n * te.decode_beside.get(t, own) for t, n in train_gpus.items()) / total
+    return out
 
 
 # ----------------------------------------------------------------------------- rollout
@@ -1139,6 +1196,11 @@ PROFILE_MAX_OVERHEAD_S = 10.0
 # about 10-20 (each norm, residual add and dropout reads and writes one, forward and backward); a CPU core adds each
 # op's host work, a few hundred at the tiny model's sizes. Past this a TP step's fit is noise or a broken step
 PROFILE_MAX_TP_UNSPLIT = 2000.0
+# decode_beside: a step's wall time beside one type's trainers over its CPU time beside its own type's at the type's
+# fraction. The throttle pads each step to its CPU time / fraction, so the wall is below that only where lighter
+# neighbours leave the step less CPU work (the bench: 0.91x alone, against the profile's mix); under half of it, or
+# past 4x (the rank got under a quarter of the core share it is emulated at), is an overloaded or noisy host
+PROFILE_DECODE_BESIDE = (0.5, 4.0)
 # the optimizer's bytes per parameter as train_step_seconds prices them (dp 1: fp32 master, grads, AdamW moments)
 OPTIMIZER_BYTES_DP1 = 18 + 12
 
@@ -1266,6 +1328,20 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
                 f"hidden-sized tensors a TP rank streams whole per token, layer and pass lie in "
                 f"[0, {PROFILE_MAX_TP_UNSPLIT:g}] (exp/PLANNER.md, 'Device profiles'); profile again"
             )
+    beside = eff.get("decode_beside") or {}
+    if not isinstance(beside, dict):
+        raise SpecError(f"{source}: efficiency.decode_beside must map neighbour GPU types to numbers, got {beside!r}")
+    values["decode_beside"] = {}
+    for name in beside:
+        factor = _profile_number(beside, name, "efficiency.decode_beside", source)
+        lo, hi = PROFILE_DECODE_BESIDE
+        if not lo <= factor <= hi:
+            raise SpecError(
+                f"{source}: efficiency.decode_beside.{name} = {factor:.4g} is not physically plausible: a decode "
+                f"step's wall time over its CPU time at the type's fraction lies in [{lo:g}, {hi:g}] (exp/PLANNER.md, "
+                "'Device profiles'); profile again on a quieter host"
+            )
+        values["decode_beside"][str(name)] = factor
     try:
         return TypeEfficiency(**values, decode_combine=eff.get("decode_combine", "max"))
     except SpecError as e:  # TypeEfficiency checks the form; say where it came from
@@ -1378,6 +1454,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
             tp_overhead_s=te.tp_overhead_s,
             dp_overhead_s=te.dp_overhead_s,
             microbatch_overhead_s=te.microbatch_overhead_s,
+            decode_beside=dict(te.decode_beside),
         )
         if prof.emulated and name in eff.per_type:
             # a type profile's training is unthrottled, another reading of this machine's: the machine profile's
@@ -1604,6 +1681,9 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     }
     if microbatch_overhead is not None:
         out["measured"]["train_microbatch_overhead_s"] = microbatch_overhead
+    beside = decode_beside_fit(out.get("decode_beside"), gpu.name)
+    if beside:
+        out["efficiency"]["decode_beside"] = beside
     dp_fit = dp_overhead_fit(out.get("train_dp"), gpu, TypeEfficiency(**out["efficiency"]))
     if dp_fit is not None:
         out["measured"]["train_dp_overhead_s"] = out["efficiency"]["dp_overhead_s"] = dp_fit
@@ -1652,6 +1732,11 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         log(
             f"train:   {microbatch_overhead * 1e3:.2f} ms per micro-batch besides its FLOPs (microbatch_overhead_s: the "
             f"step packed into {split[0]['microbatches']} micro-batches per minibatch instead of 1)"
+        )
+    if beside:
+        log(
+            "decode:  wall / (CPU at the fraction) of a replica's step beside each type's trainers (decode_beside): "
+            + ", ".join(f"{k} {v:.3f}" for k, v in beside.items())
         )
     if dp_fit is not None:
         log(

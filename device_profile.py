@@ -154,6 +154,7 @@ def profile_device(
     throttle=None,
     co_load: int = 0,
     co_load_trainers: int = 0,
+    beside: dict | None = None,
 ) -> dict:
     """Measure this machine's device (CUDA if present, else CPU with one thread per process, as a CPU rank runs) in
     one process with torch and the runtime's own code, and return the device-profile structure (schedule.py
@@ -176,7 +177,9 @@ def profile_device(
       train_dp  (CPU) the same points as data-parallel steps of two processes, as the CPU recipes train (no FSDP):
                 each rank its half of the batch, then the gradient all-reduce; what a step took beyond what the
                 cost model charges a DP rank for it (1/dp of the FLOPs, the optimizer, the all-reduce over the
-                type's intra link) is dp_overhead_s
+                type's intra link) is dp_overhead_s. The TP and DP steps keep both of the host's cores busy, where
+                another tenant's burst shows most: each runs in two passes, before the decode points and after the
+                training ones, and keeps the faster (`pass_s` records both)
       link      (CPU) one weight-sync bucket hop between this process and a second one over gloo, as
                 parallel/weight_sync.py's owner makes it and a train rank waits for it: fill a fresh buffer,
                 checksum it, send; the receiver takes it into a fresh buffer and acknowledges (its verify and copy-out
@@ -200,7 +203,13 @@ def profile_device(
     time grows with them (exp/PLANNER.md, "Where the error is"). `co_load_trainers` of the peers are train ranks
     instead (Trainer.train_step of the CPU runs' shape, each step one piece padded by the throttle's compute
     fraction, as a train rank's is): a run's neighbours are trainers as well as replicas, and a trainer's GEMMs and
-    optimizer stream other memory than a decode step. The profile records them (`co_load`)."""
+    optimizer stream other memory than a decode step. The profile records them (`co_load`).
+    `beside` ({GPU type: its emulation.Throttle}; an emulated type with co-load trainers): a rollout replica's decode
+    step (the co-load peers' shape) again beside the same co-load with its trainers under each type's throttle in
+    turn, its wall and CPU seconds per step (`decode_beside`): a plan puts a rollout rank beside trainers of any type,
+    and a faster type's trainers keep more of the shared cores busy -- the step costs more CPU time and waits for a
+    core its padding does not absorb (exp/bench_cotenancy.py). cost_model.finish_profile makes them
+    TypeEfficiency.decode_beside."""
     import time
 
     import torch
@@ -213,6 +222,8 @@ def profile_device(
         raise cm.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
     if not 0 <= co_load_trainers <= co_load:
         raise cm.SpecError(f"co_load_trainers {co_load_trainers}: give 0 to co_load ({co_load}) of the peers")
+    if beside and (throttle is None or not co_load_trainers):
+        raise cm.SpecError("beside: an emulated type's profile (a throttle) with co-load trainers to put beside it")
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
@@ -226,7 +237,7 @@ def profile_device(
     # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
     clock = time.perf_counter if cuda else time.process_time
     share = {"gemm": 0.07, "copy": 0.06, "decode": 0.4, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "train_dp": 0.05,
-             "link": 0.04}  # fmt: skip
+             "link": 0.04, "beside": 0.16}  # fmt: skip
 
     def timed(fn, budget_s: float) -> float:
         """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
@@ -278,6 +289,24 @@ def profile_device(
         while gen.num_unfinished():
             step(gen)
 
+    # (e') train points again, tensor- and data-parallel over two processes of this machine (CPU: one GPU has no
+    # second device; a type profile's training is the machine's, cost_model.apply_profile). Both ranks keep both of
+    # the host's cores busy, so another tenant's burst shows in them more than in any one-process point: they run in
+    # two passes, here and after the training points, and each point keeps the faster pass (as the peaks do)
+    train_dims = shapes["models"][shapes.get("train_model", shapes["work_model"])]
+    parallel: dict[str, list[dict]] = {}
+
+    def parallel_pass() -> None:
+        for kind, dp, tp in (("train_tp", 1, TRAIN_TP), ("train_dp", TRAIN_DP, 1)):
+            if not cuda and throttle is None and shapes.get(kind):
+                points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes[kind])]
+                parallel.setdefault(kind, []).append(
+                    _profile_train_parallel(
+                        train_dims, points, shapes["train_mb"], gpu.intra_gbps, seconds * share[kind] / 2, dp, tp
+                    )
+                )
+
+    parallel_pass()
     # (c) decode and (d) prefill, through rollout.Generator (the rollout rank's own decode loop)
     models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
     compute_pts, compute_models = shapes.get("decode_compute", []), shapes.get("compute_models", 0)
@@ -361,8 +390,11 @@ def profile_device(
             "peer_steps": peer_steps,  # Generator steps each peer made while the points were measured
         }
         log(f"co-load: the peers made {peer_steps} Generator steps meanwhile")
+    if beside:
+        out["decode_beside"] = _decode_beside(
+            beside, throttle, co_load, co_load_trainers, shapes, steps, seconds * share["beside"], add, step, drain, log
+        )
     # (e) a training step of parallel.trainer.Trainer on one rank
-    train_dims = models[shapes.get("train_model", shapes["work_model"])]
     train = _profile_train(
         _random_llama(*train_dims),
         shapes["train"] + shapes.get("train_split", []),
@@ -388,17 +420,16 @@ def profile_device(
         prefill=prefill,
         train=train,
     )
-    # (e') train points again, tensor-parallel over two processes of this machine (CPU: one GPU has no second
-    # device; a type profile's training is the machine's, cost_model.apply_profile)
-    for kind, dp, tp in (("train_tp", 1, TRAIN_TP), ("train_dp", TRAIN_DP, 1)):
-        if not cuda and throttle is None and shapes.get(kind):
-            points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes[kind])]
-            out[kind] = _profile_train_parallel(
-                train_dims, points, shapes["train_mb"], gpu.intra_gbps, seconds * share[kind], dp, tp
+    # (e') the second pass of the TP and DP steps (the first ran before the decode points), the faster kept
+    parallel_pass()
+    for kind, passes in parallel.items():
+        out[kind] = _faster_pass(passes)
+        if out[kind]:
+            steps = ", ".join(
+                f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} ms (passes {' / '.join(f'{t * 1e3:.1f}' for t in p['pass_s'])})"
+                for p in out[kind]["points"]
             )
-        if out.get(kind):
-            steps = ", ".join(f"{p['tokens']} tokens {p['step_s'] * 1e3:.1f} ms" for p in out[kind]["points"])
-            log(f"train:   {'tp' if tp > 1 else 'dp'} {max(dp, tp)} steps of {steps}")
+            log(f"train:   {kind[-2:]} {max(out[kind]['dp'], out[kind]['tp'])} steps of {steps}")
     # (f) the weight-sync link between two processes of this machine
     if not cuda and shapes.get("link_bytes") and throttle is None:
         out["link"] = _profile_link(shapes["link_bytes"], seconds * share["link"])
@@ -410,6 +441,79 @@ def profile_device(
     if nominal == "measured":
         gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
     return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
+
+
+def _faster_pass(passes: list[dict]) -> dict:
+    """One structure of _profile_train_parallel from its passes: the first's, each point's step_s the faster pass's
+    and `pass_s` every pass's ({} where a pass measured nothing)."""
+    if not passes or not all(passes):
+        return {}
+    out = {**passes[0], "points": []}
+    for points in zip(*(p["points"] for p in passes)):
+        seconds = [p["step_s"] for p in points]
+        out["points"].append({**points[0], "step_s": min(seconds), "pass_s": seconds})
+    return out
+
+
+def _decode_beside(
+    beside: dict,
+    throttle,
+    co_load: int,
+    trainers: int,
+    shapes: dict,
+    steps: int,
+    budget_s: float,
+    add,
+    step,
+    drain,
+    log,
+) -> dict:
+    """(CPU, an emulated type) the co-load peers' decode step -- a rollout replica of the CPU runs: its model, batch
+    and prompt -- timed by the wall clock and by CPU time, `steps` steps at a time through this type's throttle
+    (`step`), beside the co-load of `co_load` peers whose `trainers` train under each type's throttle in `beside` in
+    turn (its decoding peers stay this type's), for budget_s / len(beside) each. Returns {"model", "batch",
+    "context", "fraction" (this type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with
+    each point's medians per step."""
+    import time
+
+    from rollout import Generator
+
+    dims = shapes["models"][shapes["co_load_model"]]
+    batch, prompt, _ = shapes["co_load_batch"]
+    hf, spec = _random_llama(*dims)
+    gen = Generator(hf.float(), max_batch_size=batch, max_seq_len=prompt + steps + 8)
+    points = {}
+    for name, trainer_throttle in beside.items():
+        load = _co_load(
+            co_load, dims, shapes["co_load_batch"], throttle, log, trainers,
+            (shapes["co_load_train"], shapes["train_mb"]), trainer_throttle=trainer_throttle,
+        )  # fmt: skip
+        try:
+            walls, cpus = [], []
+            until = time.perf_counter() + budget_s / len(beside)
+            while len(walls) < 3 or (time.perf_counter() < until and len(walls) < 200):
+                add(gen, spec.vocab, batch, prompt, steps + 3)
+                step(gen)  # prefill and the first token: the timed steps are decode only
+                w0, c0 = time.perf_counter(), time.process_time()
+                for _ in range(steps):
+                    step(gen)
+                walls.append((time.perf_counter() - w0) / steps)
+                cpus.append((time.process_time() - c0) / steps)
+                drain(gen)
+        finally:
+            load.close()
+        points[name] = {"wall_s": _median(walls), "cpu_s": _median(cpus), "runs": len(walls)}
+        log(
+            f"beside:  {trainers} {name} trainer{'s' if trainers > 1 else ''}: decode step {points[name]['wall_s'] * 1e3:.2f} "
+            f"ms wall, {points[name]['cpu_s'] * 1e3:.2f} ms CPU ({len(walls)} x {steps} steps)"
+        )
+    return {
+        "model": list(dims),
+        "batch": batch,
+        "context": prompt + (steps + 1) / 2,
+        "fraction": throttle.emulation.fraction("bandwidth"),
+        "points": points,
+    }
 
 
 CO_LOAD_START_S = 300  # every co-load peer has built its model and started decoding within this
@@ -506,10 +610,13 @@ def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, d
     done.put((seed, steps))
 
 
-def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int = 0, train: tuple = ()) -> _CoLoad:
+def _co_load(
+    peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int = 0, train: tuple = (), trainer_throttle=None
+) -> _CoLoad:
     """Start `peers` co-load peers, the first `trainers` of them train peers (_co_load_trainer, `train` their
-    shape), the rest decoding ones (_co_load_peer), and wait until every one works; a peer that fails to start
-    stops the profile with one error naming it, the others stopped."""
+    shape, under `trainer_throttle`, another type's, when one is given, else `throttle`), the rest decoding ones (_co_load_peer,
+    under `throttle`), and wait until every one works; a peer that fails to start stops the profile with one error
+    naming it, the others stopped."""
     import queue
     import time
 
@@ -518,7 +625,11 @@ def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int
     ctx = mp.get_context("spawn")
     ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()
     procs = [
-        ctx.Process(target=_co_load_trainer, args=(dims, train, throttle, i, ready, stop, done), daemon=True)
+        ctx.Process(
+            target=_co_load_trainer,
+            args=(dims, train, trainer_throttle or throttle, i, ready, stop, done),
+            daemon=True,
+        )
         if i < trainers
         else ctx.Process(target=_co_load_peer, args=(dims, shape, throttle, i, ready, stop, done), daemon=True)
         for i in range(peers)
@@ -544,8 +655,10 @@ def _co_load(peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int
             pass
     decoding = f"{peers - trainers} decoding {shape[0]} rows" if peers > trainers else ""
     training = f"{trainers} training" if trainers else ""
-    log(f"co-load: {peers} peer{'s' if peers > 1 else ''} ({', '.join(x for x in (training, decoding) if x)}) beside "
-        "the decode and prefill points")  # fmt: skip
+    if trainers and trainer_throttle is not None:
+        training += f" as {trainer_throttle.type_name}"
+    log(f"co-load: {peers} peer{'s' if peers > 1 else ''} ({', '.join(x for x in (training, decoding) if x)}) "
+        "working")  # fmt: skip
     return load
 
 

@@ -102,6 +102,9 @@ class Evaluation:
     tokens_per_s: float
     # machine -> devices busy at once, the core shares were priced with (CPU clusters; empty: every device busy)
     busy_devices: dict[int, float] = field(default_factory=dict)
+    # GPU type -> the decode contention its replicas were priced with beside this split's trainers (CPU emulation;
+    # cost_model.decode_contention; empty: none)
+    decode_contention: dict[str, float] = field(default_factory=dict)
     # the train side's part of sync_s: until its sends are done (cost_model.sync_times); sync_s is until every
     # replica holds the version. None: the same
     sync_send_s: float | None = None
@@ -396,7 +399,7 @@ class Planner:
                     continue
                 bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
                 # < 1 only where CPU processes share cores or the type is emulated
-                decode, prefill = self.cluster.type_speed(gpu_type, "bandwidth"), self.cluster.type_speed(gpu_type)
+                decode, prefill = self.cluster.decode_speed(gpu_type), self.cluster.type_speed(gpu_type)
                 cost = cm.replica_cost(
                     self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, decode, prefill
                 )
@@ -546,23 +549,29 @@ class Planner:
         clusters), the core share each device gets depends on how many are busy at once, which depends on the step
         being priced: the split is priced again with the busy devices of the last pricing (busy_devices) until they
         settle -- at once on a single machine, where every time scales with the one share and the busy fractions do
-        not change."""
+        not change. A CPU-emulated type whose profile measured its decode beside each type's trainers
+        (TypeEfficiency.decode_beside) has its replicas priced at the contention of this split's trainers
+        (cost_model.decode_contention)."""
         key = train_counts + ((1,) if exhaustive else ())
         if key in self._eval_cache:
             return self._eval_cache[key]
         self.stats.evaluations += 1
-        ev = self._price(train_counts, exhaustive)
-        shared = any(m.host_cores is not None for m in self.cluster.machines)
+        contention = cm.decode_contention(self.eff, self.per_type(train_counts))
         pricer: Planner = self
+        if contention != self.cluster.decode_contention:
+            pricer = self._priced_on(self.cluster.with_busy_devices(self.cluster.busy_devices, contention))
+        ev = pricer._price(train_counts, exhaustive)
+        ev.decode_contention = contention
+        shared = any(m.host_cores is not None for m in self.cluster.machines)
         for _ in range(CORE_SHARE_ROUNDS if shared else 0):
             if not math.isfinite(ev.step_s):
                 break
             busy = self.busy_devices(ev)
             if all(abs(busy[m] - pricer.cluster.busy_devices.get(m, -1.0)) < 1e-3 for m in busy):
                 break
-            pricer = self._priced_on(self.cluster.with_busy_devices(busy))
+            pricer = self._priced_on(self.cluster.with_busy_devices(busy, contention))
             ev = pricer._price(train_counts, exhaustive)
-            ev.busy_devices = busy
+            ev.busy_devices, ev.decode_contention = busy, contention
         self._eval_cache[key] = ev
         return ev
 
@@ -1171,6 +1180,8 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "tokens_per_s": ev.tokens_per_s,
         # CPU clusters: machine -> devices busy at once, the core shares were priced with (Cluster.speed)
         **({"busy_devices": {str(m): b for m, b in ev.busy_devices.items()}} if ev.busy_devices else {}),
+        # CPU emulation: type -> its replicas' decode contention beside this split's trainers (Cluster.decode_speed)
+        **({"decode_contention": dict(ev.decode_contention)} if ev.decode_contention else {}),
         "dollars_per_hour": dollars,
         "tokens_per_dollar": ev.tokens_per_s * 3600 / dollars if dollars > 0 else None,
     }
@@ -1592,6 +1603,12 @@ def profile_main(argv: list[str]) -> int:
     throttle = None if emulation is None else Throttle(emulation, gpu_type)
     if throttle is not None:
         print(f"profiling emulated type {gpu_type} under its throttle ({asdict(emulation)})")
+    # with co-load trainers: its decode step again beside each emulated type's trainers, which a plan may put
+    # beside its rollout ranks (TypeEfficiency.decode_beside); its own type's first
+    beside = None
+    if throttle is not None and a.co_load_trainers:
+        emulated = [gpu_type] + sorted(t for t, g in cluster.gpu_types.items() if g.emulate and t != gpu_type)
+        beside = {t: Throttle(cluster.gpu(t).emulate, t) for t in emulated}
     prof = profile_device(
         cluster.gpu(gpu_type),
         a.seconds,
@@ -1599,6 +1616,7 @@ def profile_main(argv: list[str]) -> int:
         throttle=throttle,
         co_load=a.co_load,
         co_load_trainers=a.co_load_trainers,
+        beside=beside,
     )
     doc = {"device": prof.pop("device"), "gpu_type": gpu_type, "cluster": a.cluster}
     if throttle is not None:

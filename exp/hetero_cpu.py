@@ -278,7 +278,12 @@ def main(argv: list[str] | None = None) -> int:
                 "steps": len(rows),
                 "response_len_mean": gen,
                 "predicted_step_s": ev.step_s,
-                "predicted": {"rollout_s": ev.rollout_s, "train_s": ev.train_s, "sync_s": ev.sync_s},
+                "predicted": {
+                    "rollout_s": ev.rollout_s,
+                    "train_s": ev.train_s,
+                    "sync_s": ev.sync_s,
+                    "decode_contention": ev.decode_contention,
+                },
                 "measured_step_s": statistics.median(r["step_s"] for r in rows),
                 "measured_step_s_per_run": [statistics.median(r["step_s"] for r in rr) for rr in per_run if rr],
                 "measured": {
@@ -338,11 +343,14 @@ def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec
 
     wall, cpu, pad, steps = (per_step(k) for k in ("rollout_generate_s", "rollout_generate_cpu_s",
                                                     "rollout_throttle_s", "rollout_generate_steps"))  # fmt: skip
-    cluster = cm.cluster_from_dict(spec, "cluster").with_busy_devices(ev.busy_devices)
+    cluster = cm.cluster_from_dict(spec, "cluster").with_busy_devices(ev.busy_devices, ev.decode_contention)
     machine = [m.index for m in cluster.machines for _ in range(m.gpus)]
     rounds = [replica.cost.round_s for replica, _ in ev.rollout.replicas]
+    # the round's CPU work: the round at the bandwidth fraction and core share, less its decode contention (wall)
     priced = [
-        replica.cost.round_s * min(cluster.speed(machine[g], "bandwidth") for g in ids)
+        replica.cost.round_s
+        * min(cluster.speed(machine[g], "bandwidth") for g in ids)
+        / cluster.decode_contention.get(replica.gpu_type, 1.0)
         for replica, ids in ev.rollout.replicas
     ]
     return {

@@ -14,7 +14,9 @@
 # more CPU after each of its throttle's pauses than back to back (exp/bench_throttle.py). A type is profiled beside
 # CO_LOAD peer processes (default: the cluster's ranks less one) under the type's throttle, as a run's other ranks are
 # busy beside each of its ranks on this host (`schedule.py profile --co-load`): CO_LOAD_TRAINERS of them (default:
-# half the cluster's ranks, the trainers beside a rollout rank in an even split) train, the rest decode.
+# half the cluster's ranks, the trainers beside a rollout rank in an even split) train, the rest decode. With
+# trainers, a type's profile also times its replica's decode step beside the same co-load with the trainers of each
+# emulated type in turn (decode_beside), and the planner prices a rollout rank by the trainers a split puts beside it.
 # Each type is priced at its fractions of its own profile; with PROFILE, every type at its fractions of that one.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."

@@ -71,6 +71,9 @@ def _inputs(plan: dict, workload: cm.Workload | dict | None, eta: int | None):
     busy = plan.get("predicted", {}).get("busy_devices")
     if busy:  # CPU processes sharing cores: the shares the plan was priced at (Planner.evaluate)
         cluster = cluster.with_busy_devices({int(m): float(b) for m, b in busy.items()})
+    contention = plan.get("predicted", {}).get("decode_contention")
+    if contention:  # CPU emulation: the decode contention beside the plan's trainers it was priced with
+        cluster = cluster.with_busy_devices(cluster.busy_devices, {t: float(c) for t, c in contention.items()})
     model = cm.model_from_config(inp["model"])
     wl = workload if isinstance(workload, cm.Workload) else cm.Workload(**(workload or inp["workload"]))
     if eta is not None:
@@ -95,7 +98,7 @@ def build_replicas(
         gpu, te = cluster.gpu(rep["gpu_type"]), eff.of(rep["gpu_type"])
         link = gpu.intra_gbps
         # < 1 where CPU processes share cores or the type is emulated, as the planner prices it
-        speed = cluster.type_speed(rep["gpu_type"], "bandwidth")
+        speed = cluster.decode_speed(rep["gpu_type"])
         curve = [0.0] + [
             cm.decode_round_s(model, gpu, te, rep["tp"], rep["pp"], n, wl.decode_context, wl.bytes, link, speed)
             for n in range(1, rep["batch"] + 1)

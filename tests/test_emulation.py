@@ -14,6 +14,7 @@ import pytest
 from tiny import ENV, ROOT, torchrun
 
 import cost_model as cm
+import schedule as sc
 from emulation import Emulation, EmulationError, Throttle, emulated_types
 
 
@@ -409,5 +410,73 @@ def test_the_hetero_summary_splits_a_replicas_generation_into_work_padding_and_w
     bandwidth = spec["gpu_types"][pj["rollout"]["replicas"][0]["gpu_type"]]["emulate"]["bandwidth"]
     assert g["priced_wall_per_step_s"] == pytest.approx(pj["rollout"]["replicas"][0]["round_s"], rel=1e-6)
     assert g["priced_cpu_per_step_s"] == pytest.approx(g["priced_wall_per_step_s"] * bandwidth, rel=1e-6)
+    # a decode contention is wall time beyond the CPU work: it leaves the priced CPU of the same round less
+    ev.decode_contention = {cfg.gpu_type: 1.25 for cfg, _ in ev.rollout.replicas}
+    contended = hetero_cpu.generation(runs, replicas, ev, sub)
+    assert contended["priced_cpu_per_step_s"] == pytest.approx(g["priced_cpu_per_step_s"] / 1.25, rel=1e-6)
     assert hetero_cpu.generation([[row(4, 1, 1, 0, 1)]], replicas, ev, sub) == {}  # one steady step: no growth
     assert hetero_cpu.generation([[{"step": 4}, {"step": 5}]], replicas, ev, sub) == {}  # runs before the counters
+
+
+def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainers():
+    """TypeEfficiency.decode_beside (a type profile's decode step beside each type's trainers): the planner prices
+    each type's replicas at the mean factor over the split's train GPUs by type, a trainer type not measured counting
+    as the replica's own; the rounds stretch by exactly it, and the plan JSON carries it to a replay."""
+    sys.path.insert(0, str(ROOT / "exp"))
+    import simulate
+
+    hetero_cpu, spec, model, wl = hetero_experiment()
+    base = hetero_cpu.planner_for(spec, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
+    eff = cm.Efficiency.from_dict(base.eff.to_dict())
+    eff.per_type["h20ish"].decode_beside = {"h20ish": 1.1, "h800ish": 1.3}
+    eff.per_type["h800ish"].decode_beside = {"h800ish": 1.05}  # its profile never saw h20ish trainers
+    assert cm.decode_contention(eff, {"h20ish": 1, "h800ish": 3}) == pytest.approx(
+        {"h20ish": (1.1 + 3 * 1.3) / 4, "h800ish": 1.05}
+    )
+    assert cm.decode_contention(base.eff, {"h20ish": 2}) == {}  # no type measured beside neighbours
+    assert cm.decode_contention(eff, {}) == {}  # no trainers
+    contended = sc.Planner(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
+    machines = [m.gpu_type for m in base.cluster.machines]
+    for counts, expect in (
+        (tuple(2 * (t == "h800ish") for t in machines), {"h20ish": 1.3, "h800ish": 1.05}),  # trainers all h800ish
+        ((1, 1), {"h20ish": 1.2, "h800ish": 1.05}),
+        (tuple(2 * (t == "h20ish") for t in machines), {"h20ish": 1.1, "h800ish": 1.05}),
+    ):
+        plain, ev = base.evaluate(counts), contended.evaluate(counts)
+        assert ev.decode_contention == pytest.approx(expect) and plain.decode_contention == {}
+        for (cfg, ids), (cfg0, ids0) in zip(ev.rollout.replicas, plain.rollout.replicas):
+            assert cfg.gpu_type == cfg0.gpu_type and ids == ids0
+            # a core share of 1 on this cluster (two ranks of at most half a core each per machine's one core)
+            assert cfg.cost.round_s == pytest.approx(cfg0.cost.round_s * expect[cfg.gpu_type], rel=1e-9)
+        assert ev.rollout_s > plain.rollout_s
+    pj = sc.plan(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
+    assert set(pj["predicted"]["decode_contention"]) == {"h20ish", "h800ish"}
+    again, counts = sc.planner_from_plan(pj)
+    assert again.evaluate(counts).step_s == pytest.approx(pj["predicted"]["step_s"])
+    cluster, model2, wl2, eff2 = simulate._inputs(pj, None, None)
+    replicas = simulate.build_replicas(pj, cluster, model2, wl2, eff2)
+    for rep, priced in zip(replicas, pj["rollout"]["replicas"]):
+        assert rep.round_s[rep.batch] == pytest.approx(
+            priced["round_s"], rel=1e-6
+        )  # the replay's rounds are the plan's
+
+
+def test_decode_beside_is_fitted_relative_to_the_profiles_own_trainers_and_checked():
+    points = {"h20ish": {"wall_s": 0.026, "cpu_s": 0.012}, "h800ish": {"wall_s": 0.031, "cpu_s": 0.0135}}
+    fit = cm.decode_beside_fit({"fraction": 0.5, "points": points}, "h20ish")
+    assert fit == pytest.approx({"h20ish": 0.026 / 0.024, "h800ish": 0.031 / 0.024})  # both over own CPU / fraction
+    assert cm.decode_beside_fit(None, "h20ish") == {} and cm.decode_beside_fit({"points": {}}, "h20ish") == {}
+    with pytest.raises(cm.SpecError, match="no step beside h100ish's own trainers"):
+        cm.decode_beside_fit({"fraction": 0.2, "points": points}, "h100ish")
+    good = {"mfu_train": 0.3, "mfu_infer": 0.3, "hbm_eff": 0.3, "decode_overhead_s": 0.001, "train_overhead_s": 0.01}
+    te = cm.check_profile_efficiency({**good, "decode_beside": fit}, "p.yaml")
+    assert te.decode_beside == pytest.approx(fit)
+    for bad, what in ((9.0, "not physically plausible"), (0.3, "not physically plausible"), ("x", "must be a number")):
+        with pytest.raises(cm.SpecError, match=f"p.yaml: efficiency.decode_beside.h800ish.*{what}"):
+            cm.check_profile_efficiency({**good, "decode_beside": {"h800ish": bad}}, "p.yaml")
+    with pytest.raises(cm.SpecError, match="must map neighbour GPU types to numbers"):
+        cm.check_profile_efficiency({**good, "decode_beside": [1.0]}, "p.yaml")
+    # a type profile's factors reach its type when applied
+    cluster = cm.load_cluster(ROOT / "exp/clusters/cpu_hetero.yaml")
+    prof = cm.DeviceProfile("h20ish", te, 0.03, 0.012, emulated=True)
+    assert cm.apply_profile(cm.Efficiency(), cluster, prof, "p.yaml").of("h20ish").decode_beside == pytest.approx(fit)

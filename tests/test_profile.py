@@ -339,7 +339,22 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     dp_steps = doc["points"]["train_dp"]  # real 2-process DP steps
     assert dp_steps["dp"] == 2 and len(dp_steps["points"]) == 2 and all(p["step_s"] > 0 for p in dp_steps["points"])
     assert prof.efficiency.dp_overhead_s == doc["efficiency"]["dp_overhead_s"] >= 0
+    for p in tp_steps["points"] + dp_steps["points"]:  # two passes each, the faster kept
+        assert len(p["pass_s"]) == 2 and p["step_s"] == min(p["pass_s"])
     assert doc["seconds"] < 120
+
+
+def test_the_parallel_steps_keep_each_points_faster_pass():
+    import device_profile as dp
+
+    first = {"dp": 2, "tp": 1, "points": [{"tokens": 10, "step_s": 1.0}, {"tokens": 40, "step_s": 3.0}]}
+    second = {"dp": 2, "tp": 1, "points": [{"tokens": 10, "step_s": 1.4}, {"tokens": 40, "step_s": 2.5}]}
+    out = dp._faster_pass([first, second])
+    assert out["dp"] == 2 and [p["tokens"] for p in out["points"]] == [10, 40]
+    assert [p["step_s"] for p in out["points"]] == [1.0, 2.5]
+    assert [p["pass_s"] for p in out["points"]] == [[1.0, 1.4], [3.0, 2.5]]
+    assert first["points"][1]["step_s"] == 3.0  # the passes themselves are kept as measured
+    assert dp._faster_pass([first, {}]) == {} and dp._faster_pass([]) == {}  # a pass that measured nothing
 
 
 def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
@@ -356,10 +371,18 @@ def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tm
     assert doc["co_load"]["peers"] == 2 and doc["co_load"]["trainers"] == 1 and len(doc["co_load"]["peer_steps"]) == 2
     assert all(n > 0 for n in doc["co_load"]["peer_steps"])  # each trained or decoded while the points were measured
     assert doc["emulate"] == {"compute": 0.8, "bandwidth": 0.7, "link": 0.5}
+    # its replica's decode step again beside each emulated type's trainers, its own first
+    assert "co-load: 2 peers (1 training as h20ish, 1 decoding 8 rows) working" in r.stdout
+    beside = doc["points"]["decode_beside"]
+    assert list(beside["points"]) == ["h800ish", "h20ish"] and beside["fraction"] == 0.7
+    for p in beside["points"].values():
+        assert p["runs"] >= 3 and p["wall_s"] > p["cpu_s"] > 0  # padded: the wall is the CPU time / 0.7 and more
+    assert doc["efficiency"]["decode_beside"] == pytest.approx(cm.decode_beside_fit(beside, "h800ish"))
     assert doc["throttle_slept_s"]["bandwidth"] > 0 and doc["throttle_slept_s"]["compute"] > 0
     assert "sync" not in doc  # the link is padded by its wall time, exactly: not measured under the throttle
     prof = cm.load_profile(out)
     assert prof.emulated and prof.gpu_type == "h800ish"
+    assert set(prof.efficiency.decode_beside) == {"h800ish", "h20ish"}
     hetero = cm.load_cluster(cluster)
     eff = cm.apply_profile(cm.Efficiency(), hetero, prof, str(out))
     assert set(eff.per_type) == {"h800ish"}  # not the other emulated type, as a machine profile would
