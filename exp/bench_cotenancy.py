@@ -127,13 +127,33 @@ def measure(decoder: Throttle, peers: list, types: dict, args, tmp: str) -> dict
             "wait_ms": (wall - cpu - pad) / steps * 1e3}  # fmt: skip
 
 
+def default_mixes(spec: dict, decoder: str) -> dict[str, str]:
+    """{name: peers}: alone; the profile's co-load as exp/hetero_cpu.sh sets it (the cluster's ranks less one, half
+    the ranks training, all of the decoder's type); and the same decoding peers beside the trainers as DP pairs of
+    each type (one alone when their count is odd)."""
+    ranks = sum(m["gpus"] * m.get("count", 1) for m in spec["machines"])
+    peers = ranks - 1
+    trainers = min(ranks // 2, peers)
+    decoders = [f"D:{decoder}"] * (peers - trainers)
+
+    def training(t: str) -> list[str]:
+        return [f"DP:{t}"] * (trainers // 2) + [f"T:{t}"] * (trainers % 2)
+
+    return {
+        "alone": "",
+        "profile": ",".join(decoders + [f"T:{decoder}"] * trainers),
+        **{f"D+DP:{t}": ",".join(decoders + training(t)) for t in spec["gpu_types"]},
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--cluster", default=str(ROOT / "exp/clusters/cpu_hetero.yaml"))
     ap.add_argument("--decoder", default="h20ish", help="the emulated type of the measured decoder")
     ap.add_argument("--mix", action="append", default=None,
                     help="NAME=PEERS, e.g. planner=D:h20ish,DP:h800ish (repeatable; default: alone, the "
-                         "profile's co-load, and a decoder and a DP pair of each type)")  # fmt: skip
+                         "profile's co-load -- the cluster's ranks less one, half the ranks training -- and the same "
+                         "decoders beside DP pairs of each type)")  # fmt: skip
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--prompt", type=int, default=29)
     ap.add_argument("--response", type=int, default=25)
@@ -147,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.decoder not in types:
         raise SystemExit(f"error: --decoder {args.decoder!r} is not a type of {args.cluster} ({sorted(types)})")
     d = args.decoder
-    mixes = {"alone": "", "profile": f"D:{d},T:{d},T:{d}", **{f"D+DP:{t}": f"D:{d},DP:{t}" for t in types}}
+    mixes = default_mixes(spec, d)
     if args.mix:
         mixes = {}
         for item in args.mix:

@@ -480,3 +480,25 @@ def test_decode_beside_is_fitted_relative_to_the_profiles_own_trainers_and_check
     cluster = cm.load_cluster(ROOT / "exp/clusters/cpu_hetero.yaml")
     prof = cm.DeviceProfile("h20ish", te, 0.03, 0.012, emulated=True)
     assert cm.apply_profile(cm.Efficiency(), cluster, prof, "p.yaml").of("h20ish").decode_beside == pytest.approx(fit)
+
+
+def test_the_cotenancy_bench_mixes_follow_the_clusters_ranks():
+    """exp/bench_cotenancy.py's default mixes: the profile's co-load as exp/hetero_cpu.sh sets it (ranks less one
+    peers, half the ranks training) and the same decoders beside each type's trainers in DP pairs."""
+    sys.path.insert(0, str(ROOT / "exp"))
+    import bench_cotenancy
+    import yaml
+
+    spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
+    assert bench_cotenancy.default_mixes(spec, "h20ish") == {
+        "alone": "",
+        "profile": "D:h20ish,T:h20ish,T:h20ish",
+        "D+DP:h20ish": "D:h20ish,DP:h20ish",
+        "D+DP:h800ish": "D:h20ish,DP:h800ish",
+    }
+    spec["machines"][0]["gpus"] = 4  # six ranks: five peers, three of them training
+    mixes = bench_cotenancy.default_mixes(spec, "h800ish")
+    assert mixes["profile"] == "D:h800ish,D:h800ish,T:h800ish,T:h800ish,T:h800ish"
+    assert mixes["D+DP:h20ish"] == "D:h800ish,D:h800ish,DP:h20ish,T:h20ish"
+    for peers in mixes.values():  # every default mix is one the bench parses
+        bench_cotenancy.parse_mix(peers, spec["gpu_types"])
