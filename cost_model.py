@@ -500,11 +500,11 @@ class TypeEfficiency:
     # a one-row step runs matrix-vector products straight over the weights, a wider one GEMMs that first pack them
     # into blocks (a device profile fits it from its one-row and multi-row steps; 0 unless it did)
     decode_multirow_s: float = 0.0
-    # CPU emulation only: neighbour GPU type -> a decode step's wall time over its CPU time at this type's bandwidth
-    # fraction, with the host's trainers of that type (a device profile measures it beside each emulated type's
-    # trainers: the cores, caches and memory bandwidth shared with them cost the step CPU time and waits for a core
-    # the throttle's padding does not absorb). Empty: 1 (a GPU shares nothing with its neighbours). See
-    # decode_contention
+    # CPU emulation only: neighbour GPU type -> a decode step's wall time with the host's trainers of that type over
+    # the CPU time these constants price it at, at this type's bandwidth fraction (a device profile measures it beside
+    # each emulated type's trainers: the cores, caches and memory bandwidth shared with them cost the step CPU time
+    # and waits for a core the throttle's padding does not absorb). Empty: 1 (a GPU shares nothing with its
+    # neighbours). See decode_beside_fit, decode_contention
     decode_beside: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -543,22 +543,19 @@ class Efficiency:
             return Efficiency.from_dict(yaml.safe_load(f))
 
 
-def decode_beside_fit(measured: dict | None, own_type: str) -> dict[str, float]:
+def decode_beside_fit(measured: dict | None, gpu: GPUType, te: TypeEfficiency) -> dict[str, float]:
     """TypeEfficiency.decode_beside from a profile's `decode_beside` points (device_profile._decode_beside): for each
-    neighbour type, the step's wall seconds over the CPU seconds of the same step beside the type's own trainers
-    (the co-load the profile's decode points were measured beside, so the fit prices that CPU time) at its bandwidth
-    fraction. Both are measured in one stretch, so a host that drifts between the profile's parts moves them alike.
-    {} without the points."""
+    neighbour type, the step's measured wall seconds over what the profile's own decode constants `te` price that
+    step's CPU work at (decode_round_s of its model, batch and context on `gpu`) at the type's bandwidth fraction.
+    So the fit gives how a step's cost moves with the model, batch and context, and these points, each timed over
+    several of its neighbours' steps, give its level beside each type's trainers. {} without the points."""
     if not measured or not measured.get("points"):
         return {}
-    points = measured["points"]
-    if own_type not in points:
-        raise SpecError(
-            f"profile: decode_beside has no step beside {own_type}'s own trainers (only {sorted(points)}): the "
-            "neighbours' factors are relative to it"
-        )
-    priced = points[own_type]["cpu_s"] / measured["fraction"]
-    return {name: p["wall_s"] / priced for name, p in points.items()}
+    spec = model_from_config(measured["model_config"])
+    cpu_s = decode_round_s(
+        spec, gpu, te, 1, 1, measured["batch"], measured["context"], measured["bytes"], gpu.intra_gbps
+    )
+    return {name: p["wall_s"] / (cpu_s / measured["fraction"]) for name, p in measured["points"].items()}
 
 
 def decode_contention(eff: Efficiency, train_gpus: dict[str, int]) -> dict[str, float]:
@@ -1196,10 +1193,11 @@ PROFILE_MAX_OVERHEAD_S = 10.0
 # about 10-20 (each norm, residual add and dropout reads and writes one, forward and backward); a CPU core adds each
 # op's host work, a few hundred at the tiny model's sizes. Past this a TP step's fit is noise or a broken step
 PROFILE_MAX_TP_UNSPLIT = 2000.0
-# decode_beside: a step's wall time beside one type's trainers over its CPU time beside its own type's at the type's
-# fraction. The throttle pads each step to its CPU time / fraction, so the wall is below that only where lighter
-# neighbours leave the step less CPU work (the bench: 0.91x alone, against the profile's mix); under half of it, or
-# past 4x (the rank got under a quarter of the core share it is emulated at), is an overloaded or noisy host
+# decode_beside: a step's wall time beside one type's trainers over the CPU time the profile's decode fit prices it at,
+# at the type's fraction. The throttle pads each step to its CPU time / fraction, so the wall is below that only
+# where lighter neighbours leave the step less CPU work than the fit's points had (the bench: 0.91x alone, against
+# the profile's mix) or the fit misses the step; under half of it, or past 4x (the rank got under a quarter of the
+# core share it is emulated at), is an overloaded or noisy host
 PROFILE_DECODE_BESIDE = (0.5, 4.0)
 # the optimizer's bytes per parameter as train_step_seconds prices them (dp 1: fp32 master, grads, AdamW moments)
 OPTIMIZER_BYTES_DP1 = 18 + 12
@@ -1681,7 +1679,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     }
     if microbatch_overhead is not None:
         out["measured"]["train_microbatch_overhead_s"] = microbatch_overhead
-    beside = decode_beside_fit(out.get("decode_beside"), gpu.name)
+    beside = decode_beside_fit(out.get("decode_beside"), gpu, TypeEfficiency(**out["efficiency"]))
     if beside:
         out["efficiency"]["decode_beside"] = beside
     dp_fit = dp_overhead_fit(out.get("train_dp"), gpu, TypeEfficiency(**out["efficiency"]))

@@ -237,7 +237,7 @@ def profile_device(
     # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
     clock = time.perf_counter if cuda else time.process_time
     share = {"gemm": 0.07, "copy": 0.06, "decode": 0.4, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "train_dp": 0.05,
-             "link": 0.04, "beside": 0.16}  # fmt: skip
+             "link": 0.04, "beside": 0.5}  # fmt: skip
 
     def timed(fn, budget_s: float) -> float:
         """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
@@ -471,9 +471,10 @@ def _decode_beside(
     """(CPU, an emulated type) the co-load peers' decode step -- a rollout replica of the CPU runs: its model, batch
     and prompt -- timed by the wall clock and by CPU time, `steps` steps at a time through this type's throttle
     (`step`), beside the co-load of `co_load` peers whose `trainers` train under each type's throttle in `beside` in
-    turn (its decoding peers stay this type's), for budget_s / len(beside) each. Returns {"model", "batch",
-    "context", "fraction" (this type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with
-    each point's medians per step."""
+    turn (its decoding peers stay this type's), for budget_s / len(beside) each after BESIDE_WARMUP_S (long enough
+    for every peer's first step; the budget several of the slowest trainers' steps, so that the decoder sees their
+    bursts and their pauses alike). Returns {"model", "model_config", "batch", "context", "bytes", "fraction" (this
+    type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with each point's medians per step."""
     import time
 
     from rollout import Generator
@@ -490,6 +491,7 @@ def _decode_beside(
         )  # fmt: skip
         try:
             walls, cpus = [], []
+            time.sleep(BESIDE_WARMUP_S)
             until = time.perf_counter() + budget_s / len(beside)
             while len(walls) < 3 or (time.perf_counter() < until and len(walls) < 200):
                 add(gen, spec.vocab, batch, prompt, steps + 3)
@@ -509,21 +511,24 @@ def _decode_beside(
         )
     return {
         "model": list(dims),
+        "model_config": spec.to_config(),
         "batch": batch,
-        "context": prompt + (steps + 1) / 2,
+        "context": prompt + (steps + 1) / 2,  # the mean K/V length the timed steps read
+        "bytes": 4,  # fp32 on CPU
         "fraction": throttle.emulation.fraction("bandwidth"),
         "points": points,
     }
 
 
+BESIDE_WARMUP_S = 5.0  # the decode_beside co-load runs this long before its points are timed
 CO_LOAD_START_S = 300  # every co-load peer has built its model and started decoding within this
 
 
 class _CoLoad:
     """Running co-load peers (_co_load); close() stops them and returns the Generator steps each one made."""
 
-    def __init__(self, procs: list, stop, done) -> None:
-        self.procs, self.stop, self.done = procs, stop, done
+    def __init__(self, procs: list, stop, done, tmp: str | None = None) -> None:
+        self.procs, self.stop, self.done, self.tmp = procs, stop, done, tmp
 
     def close(self) -> list[int]:
         """Stop the peers; their step counts in order. A peer that died before it reported makes the co-load
@@ -550,16 +555,23 @@ class _CoLoad:
         return [steps[i] for i in sorted(steps)]
 
     def kill(self) -> None:
+        import shutil
+
         for p in self.procs:
             p.kill()
             p.join(timeout=30)
         self.procs = []
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
 
 
-def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop, done) -> None:
-    """One co-load train peer (a spawned process, one thread, a gloo world of its own): Trainer.train_step of a random
-    Llama of `dims` over `train` = ((trajectories, prompt, response), micro_batch_tokens), each step padded by
-    `throttle`'s compute fraction (None: back to back), until `stop` is set; then it reports its steps on `done`."""
+def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop, done, group=None) -> None:
+    """One co-load train peer (a spawned process, one thread): Trainer.train_step of a random Llama of `dims` over
+    `train` = ((trajectories, prompt, response), micro_batch_tokens), each step padded by `throttle`'s compute
+    fraction (None: back to back), until `stop` is set; then it reports its steps on `done` under `seed`. `group`
+    (init method, rank, world size): one rank of a DP group of train peers, which step in lockstep as a plan's DP
+    trainers do (their bursts coincide at every gradient all-reduce; rank 0 says when to stop, so all leave at the
+    same step); None: a gloo world of its own."""
     import tempfile
 
     import torch
@@ -571,13 +583,19 @@ def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop
     (n, prompt, response), micro_batch_tokens = train
     throttle = throttle or Throttle()
     with tempfile.TemporaryDirectory() as tmp:
-        dist.init_process_group("gloo", init_method=f"file://{tmp}/init", rank=0, world_size=1)
+        init, rank, world = group or (f"file://{tmp}/init", 0, 1)
+        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
         hf, spec = _random_llama(*dims)
-        trainer = _profiled_trainer(hf, spec, 1, micro_batch_tokens, torch.device("cpu"), torch.float32)
-        batch = _random_trajectories(spec.vocab, n, prompt, response, seed)
-        steps = 0
+        trainer = _profiled_trainer(hf, spec, 1, micro_batch_tokens, torch.device("cpu"), torch.float32, dp=world)
+        batch = _random_trajectories(spec.vocab, n, prompt, response, seed if world == 1 else 0)  # one batch a group
+        go, steps = torch.zeros(1), 0
         ready.put(seed)
-        while not stop.is_set():
+        while True:
+            go.fill_(0.0 if stop.is_set() else 1.0)
+            if world > 1:
+                dist.broadcast(go, src=0)
+            if not go.item():
+                break
             with throttle.piece("compute"):
                 trainer.train_step(batch)
             steps += 1
@@ -614,27 +632,38 @@ def _co_load(
     peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int = 0, train: tuple = (), trainer_throttle=None
 ) -> _CoLoad:
     """Start `peers` co-load peers, the first `trainers` of them train peers (_co_load_trainer, `train` their
-    shape, under `trainer_throttle`, another type's, when one is given, else `throttle`), the rest decoding ones (_co_load_peer,
-    under `throttle`), and wait until every one works; a peer that fails to start stops the profile with one error
-    naming it, the others stopped."""
+    shape, under `trainer_throttle`, another type's, when one is given, else `throttle`; in DP pairs, the last alone
+    when their count is odd: a plan's trainers are DP groups whose bursts coincide, and a decoder beside such a pair
+    waits for a core more than beside independent trainers), the rest decoding ones (_co_load_peer, under
+    `throttle`), and wait until every one works; a peer that fails to start stops the profile with one error naming
+    it, the others stopped."""
     import queue
+    import tempfile
     import time
 
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()
+    tmp = tempfile.mkdtemp(prefix="co_load-")  # the DP pairs' rendezvous files
+
+    def group(i: int):
+        pair = i // 2
+        if 2 * pair + 1 >= trainers:  # the odd one out
+            return None
+        return f"file://{tmp}/dp{pair}", i % 2, 2
+
     procs = [
         ctx.Process(
             target=_co_load_trainer,
-            args=(dims, train, trainer_throttle or throttle, i, ready, stop, done),
+            args=(dims, train, trainer_throttle or throttle, i, ready, stop, done, group(i)),
             daemon=True,
         )
         if i < trainers
         else ctx.Process(target=_co_load_peer, args=(dims, shape, throttle, i, ready, stop, done), daemon=True)
         for i in range(peers)
     ]
-    load = _CoLoad(procs, stop, done)
+    load = _CoLoad(procs, stop, done, tmp)
     for p in procs:
         p.start()
     started, until = 0, time.monotonic() + CO_LOAD_START_S
@@ -654,7 +683,7 @@ def _co_load(
         except queue.Empty:
             pass
     decoding = f"{peers - trainers} decoding {shape[0]} rows" if peers > trainers else ""
-    training = f"{trainers} training" if trainers else ""
+    training = f"{trainers} training" + (" in DP pairs" if trainers > 1 else "") if trainers else ""
     if trainers and trainer_throttle is not None:
         training += f" as {trainer_throttle.type_name}"
     log(f"co-load: {peers} peer{'s' if peers > 1 else ''} ({', '.join(x for x in (training, decoding) if x)}) "

@@ -34,32 +34,6 @@ DIMS = SHAPES["models"][SHAPES["co_load_model"]]  # the tiny model, as the profi
 TRAIN = SHAPES["co_load_train"]  # the CPU runs' train step
 
 
-def _dp_trainer(init: str, rank: int, throttle: Throttle, ready, stop, done) -> None:
-    """One of a DP-2 pair of training peers (a spawned process): the profile's Trainer at dp 2, a step a piece
-    under `throttle`; rank 0 says when to stop, so both leave at the same step."""
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
-    hf, spec = dp._random_llama(*DIMS)
-    trainer = dp._profiled_trainer(hf, spec, 1, SHAPES["train_mb"], torch.device("cpu"), torch.float32, dp=2)
-    batch = dp._random_trajectories(spec.vocab, *TRAIN, seed=0)
-    go, steps = torch.zeros(1), 0
-    ready.put(rank)
-    while True:
-        if rank == 0:
-            go.fill_(0.0 if stop.is_set() else 1.0)
-        dist.broadcast(go, src=0)
-        if not go.item():
-            break
-        with throttle.piece("compute"):
-            trainer.train_step(batch)
-        steps += 1
-    dist.destroy_process_group()
-    done.put((rank, steps))
-
-
 def parse_mix(text: str, types: dict) -> list[tuple[str, str]]:
     """'D:h20ish,DP:h800ish' -> [("D", "h20ish"), ("DP", "h800ish")]; '' -> alone."""
     peers = []
@@ -90,10 +64,11 @@ def measure(decoder: Throttle, peers: list, types: dict, args, tmp: str) -> dict
             shape = (args.batch, args.prompt, args.response)
             procs.append(ctx.Process(target=dp._co_load_peer, args=(DIMS, shape, throttle, i, ready, stop, done),
                                      daemon=True))  # fmt: skip
-        else:
+        else:  # a DP pair in lockstep, as the profile's co-load trainers run
             init = f"file://{tmp}/init-{i}-{time.time_ns()}"
-            procs += [ctx.Process(target=_dp_trainer, args=(init, r, throttle, ready, stop, done), daemon=True)
-                      for r in range(2)]  # fmt: skip
+            procs += [ctx.Process(target=dp._co_load_trainer, args=(DIMS, (TRAIN, SHAPES["train_mb"]), throttle,
+                                                                     100 * i + r, ready, stop, done, (init, r, 2)),
+                                  daemon=True) for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
     try:

@@ -461,13 +461,20 @@ def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainer
         )  # the replay's rounds are the plan's
 
 
-def test_decode_beside_is_fitted_relative_to_the_profiles_own_trainers_and_checked():
-    points = {"h20ish": {"wall_s": 0.026, "cpu_s": 0.012}, "h800ish": {"wall_s": 0.031, "cpu_s": 0.0135}}
-    fit = cm.decode_beside_fit({"fraction": 0.5, "points": points}, "h20ish")
-    assert fit == pytest.approx({"h20ish": 0.026 / 0.024, "h800ish": 0.031 / 0.024})  # both over own CPU / fraction
-    assert cm.decode_beside_fit(None, "h20ish") == {} and cm.decode_beside_fit({"points": {}}, "h20ish") == {}
-    with pytest.raises(cm.SpecError, match="no step beside h100ish's own trainers"):
-        cm.decode_beside_fit({"fraction": 0.2, "points": points}, "h100ish")
+def test_decode_beside_is_the_measured_wall_over_the_fits_price_and_checked():
+    """cost_model.decode_beside_fit: each neighbour type's measured wall per step over what the profile's decode
+    constants price that step's CPU work at, at the type's fraction; check_profile_efficiency bounds it."""
+    spec = cm.load_model_spec(ROOT / "exp/tiny-model")
+    gpu = cm.GPUType("h20ish", 2, 0.035, 0.013, 1.0, 2.0)
+    te = cm.TypeEfficiency(hbm_eff=0.75, mfu_decode=0.65, decode_combine="sum", decode_overhead_s=0.0035)
+    cpu_s = cm.decode_round_s(spec, gpu, te, 1, 1, 8, 72.5, 4, 2.0)
+    assert 0.005 < cpu_s < 0.05  # a CPU core's step of the tiny model, 8 rows
+    points = {"h20ish": {"wall_s": 2.2 * cpu_s, "cpu_s": cpu_s}, "h800ish": {"wall_s": 2.6 * cpu_s, "cpu_s": cpu_s}}
+    measured = {"model_config": spec.to_config(), "batch": 8, "context": 72.5, "bytes": 4, "fraction": 0.5,
+                "points": points}  # fmt: skip
+    fit = cm.decode_beside_fit(measured, gpu, te)
+    assert fit == pytest.approx({"h20ish": 1.1, "h800ish": 1.3})  # wall / (priced CPU / 0.5)
+    assert cm.decode_beside_fit(None, gpu, te) == {} and cm.decode_beside_fit({"points": {}}, gpu, te) == {}
     good = {"mfu_train": 0.3, "mfu_infer": 0.3, "hbm_eff": 0.3, "decode_overhead_s": 0.001, "train_overhead_s": 0.01}
     te = cm.check_profile_efficiency({**good, "decode_beside": fit}, "p.yaml")
     assert te.decode_beside == pytest.approx(fit)

@@ -377,7 +377,9 @@ def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tm
     assert list(beside["points"]) == ["h800ish", "h20ish"] and beside["fraction"] == 0.7
     for p in beside["points"].values():
         assert p["runs"] >= 3 and p["wall_s"] > p["cpu_s"] > 0  # padded: the wall is the CPU time / 0.7 and more
-    assert doc["efficiency"]["decode_beside"] == pytest.approx(cm.decode_beside_fit(beside, "h800ish"))
+    gpu = cm.GPUType("h800ish", 2, doc["nominal"]["tflops"], doc["nominal"]["hbm_tbps"], 1.0, 2.0)
+    te = cm.TypeEfficiency(**{k: v for k, v in doc["efficiency"].items() if k != "decode_beside"})
+    assert doc["efficiency"]["decode_beside"] == pytest.approx(cm.decode_beside_fit(beside, gpu, te))
     assert doc["throttle_slept_s"]["bandwidth"] > 0 and doc["throttle_slept_s"]["compute"] > 0
     assert "sync" not in doc  # the link is padded by its wall time, exactly: not measured under the throttle
     prof = cm.load_profile(out)
@@ -403,6 +405,14 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     steps = load.close()
     assert len(steps) == 3 and all(n > 0 for n in steps), steps  # the train peer too
     assert all(not p.is_alive() for p in procs)
+    # three train peers: a DP pair in lockstep (both leave at the same step) and one alone, beside a decoder
+    logged = []
+    load = dp._co_load(4, dp.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64))
+    time.sleep(2.0)
+    tmp = load.tmp
+    steps = load.close()
+    assert len(steps) == 4 and all(n > 0 for n in steps) and steps[0] == steps[1], steps
+    assert "3 training in DP pairs, 1 decoding 2 rows" in logged[-1] and not os.path.exists(tmp)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
         dp._co_load(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
