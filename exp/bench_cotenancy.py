@@ -3,9 +3,10 @@
     python exp/bench_cotenancy.py                       # an h20ish decoder of exp/clusters/cpu_hetero.yaml
     python exp/bench_cotenancy.py --decoder h800ish --seconds 40 --repeats 2
 
-A device profile (`schedule.py profile --co-load`) measures each emulated type's decode beside one fixed mix of
-peers of its own type; a plan puts a rollout rank beside others (exp/hetero_cpu.py: the planner's h20ish decoders
-beside two h800ish trainers, which train in lockstep, one DP group). This measures one decoder -- the tiny model,
+A device profile (`schedule.py profile --co-load`) measures each emulated type's decode points beside one mix of
+peers of its own type, and its replica's step again beside each type's trainers (decode_beside); a plan puts a
+rollout rank beside others (exp/hetero_cpu.py: the planner's h20ish decoders beside two h800ish trainers, which
+train in lockstep, one DP group). This measures, by hand and at any mix, one decoder -- the tiny model,
 --batch rows of --prompt + --response tokens, refilled as they finish, every step through its type's throttle as a
 rollout rank's -- alone and beside each mix, and prints per mix its tokens/s, the CPU and wall milliseconds of a
 generator step, the waits for a core (wall - CPU - padding), and its wall against the profile mix's. A mix is
@@ -104,8 +105,8 @@ def measure(decoder: Throttle, peers: list, types: dict, args, tmp: str) -> dict
 
 def default_mixes(spec: dict, decoder: str) -> dict[str, str]:
     """{name: peers}: alone; the profile's co-load as exp/hetero_cpu.sh sets it (the cluster's ranks less one, half
-    the ranks training, all of the decoder's type); and the same decoding peers beside the trainers as DP pairs of
-    each type (one alone when their count is odd)."""
+    the ranks training in DP pairs, one alone when their count is odd, all of the decoder's type); and the same
+    peers with the trainers of each other type (the profile's decode_beside points)."""
     ranks = sum(m["gpus"] * m.get("count", 1) for m in spec["machines"])
     peers = ranks - 1
     trainers = min(ranks // 2, peers)
@@ -116,8 +117,8 @@ def default_mixes(spec: dict, decoder: str) -> dict[str, str]:
 
     return {
         "alone": "",
-        "profile": ",".join(decoders + [f"T:{decoder}"] * trainers),
-        **{f"D+DP:{t}": ",".join(decoders + training(t)) for t in spec["gpu_types"]},
+        "profile": ",".join(decoders + training(decoder)),
+        **{f"D+DP:{t}": ",".join(decoders + training(t)) for t in spec["gpu_types"] if t != decoder},
     }
 
 

@@ -491,7 +491,7 @@ def test_decode_beside_is_the_measured_wall_over_the_fits_price_and_checked():
 
 def test_the_cotenancy_bench_mixes_follow_the_clusters_ranks():
     """exp/bench_cotenancy.py's default mixes: the profile's co-load as exp/hetero_cpu.sh sets it (ranks less one
-    peers, half the ranks training) and the same decoders beside each type's trainers in DP pairs."""
+    peers, half the ranks training in DP pairs) and the same decoders beside each other type's trainers."""
     sys.path.insert(0, str(ROOT / "exp"))
     import bench_cotenancy
     import yaml
@@ -499,13 +499,12 @@ def test_the_cotenancy_bench_mixes_follow_the_clusters_ranks():
     spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
     assert bench_cotenancy.default_mixes(spec, "h20ish") == {
         "alone": "",
-        "profile": "D:h20ish,T:h20ish,T:h20ish",
-        "D+DP:h20ish": "D:h20ish,DP:h20ish",
+        "profile": "D:h20ish,DP:h20ish",
         "D+DP:h800ish": "D:h20ish,DP:h800ish",
     }
     spec["machines"][0]["gpus"] = 4  # six ranks: five peers, three of them training
     mixes = bench_cotenancy.default_mixes(spec, "h800ish")
-    assert mixes["profile"] == "D:h800ish,D:h800ish,T:h800ish,T:h800ish,T:h800ish"
+    assert mixes["profile"] == "D:h800ish,D:h800ish,DP:h800ish,T:h800ish"
     assert mixes["D+DP:h20ish"] == "D:h800ish,D:h800ish,DP:h20ish,T:h20ish"
     for peers in mixes.values():  # every default mix is one the bench parses
         bench_cotenancy.parse_mix(peers, spec["gpu_types"])
