@@ -72,8 +72,8 @@ class Cluster:
     # CPU clusters only: machine -> how many of its devices are busy at once on average, in the step being priced
     # (Planner.evaluate's estimate); a machine not in it counts every device busy. See speed.
     busy_devices: dict[int, float] = field(default_factory=dict)
-    # CPU emulation only: GPU type -> how much longer its decode steps take in wall time than its profile's CPU time
-    # at its fractions, beside the trainers of the split being priced (decode_contention; Planner.evaluate sets it).
+    # CPU emulation only: GPU type -> how much longer its decode steps take in wall time than its profile's decode fit
+    # prices their CPU time at its fractions, beside the trainers of the split being priced (decode_contention; Planner.evaluate sets it).
     # A type not in it: 1. See decode_speed.
     decode_contention: dict[str, float] = field(default_factory=dict)
 
@@ -565,9 +565,11 @@ def decode_contention(eff: Efficiency, train_gpus: dict[str, int]) -> dict[str, 
     counts as its own type's trainers (the profile's co-load); neither measured: 1. Empty where no type has
     decode_beside (a GPU cluster) or there are no trainers."""
     total = sum(train_gpus.values())
+    if total <= 0:
+        return {}
     out = {}
     for name, te in eff.per_type.items():
-        if not te.decode_beside or total <= 0:
+        if not te.decode_beside:
             continue
         own = te.decode_beside.get(name, 1.0)
         out[name] = sum(n * te.decode_beside.get(t, own) for t, n in train_gpus.items()) / total
@@ -1336,8 +1338,8 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
         if not lo <= factor <= hi:
             raise SpecError(
                 f"{source}: efficiency.decode_beside.{name} = {factor:.4g} is not physically plausible: a decode "
-                f"step's wall time over its CPU time at the type's fraction lies in [{lo:g}, {hi:g}] (exp/PLANNER.md, "
-                "'Device profiles'); profile again on a quieter host"
+                f"step's wall time over the CPU time its decode fit prices, at the type's fraction, lies in [{lo:g}, "
+                f"{hi:g}] (exp/PLANNER.md, 'Device profiles'); profile again on a quieter host"
             )
         values["decode_beside"][str(name)] = factor
     try:
@@ -1733,8 +1735,8 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
         )
     if beside:
         log(
-            "decode:  wall / (CPU at the fraction) of a replica's step beside each type's trainers (decode_beside): "
-            + ", ".join(f"{k} {v:.3f}" for k, v in beside.items())
+            "decode:  a replica's step beside each type's trainers, its wall over the fit's CPU price at the fraction "
+            "(decode_beside): " + ", ".join(f"{k} {v:.3f}" for k, v in beside.items())
         )
     if dp_fit is not None:
         log(
