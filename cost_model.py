@@ -52,6 +52,9 @@ class GPUType:
     emulate: Emulation | None = None
 
 
+ROLES = ("train", "rollout")  # what a device does in a plan (Cluster.busy_devices tells them apart)
+
+
 @dataclass(frozen=True)
 class Machine:
     index: int
@@ -69,9 +72,10 @@ class Cluster:
     machines: list[Machine]
     inter_gbps: dict[tuple[str, str], float]  # unordered type pair -> GB/s
     machine_gbps: dict[tuple[int, int], float] = field(default_factory=dict)  # machine pair override
-    # CPU clusters only: machine -> how many of its devices are busy at once on average, in the step being priced
-    # (Planner.evaluate's estimate); a machine not in it counts every device busy. See speed.
-    busy_devices: dict[int, float] = field(default_factory=dict)
+    # CPU clusters only: machine -> role ("train", "rollout") -> how many of its devices are busy at once while one
+    # of that role works, in the step being priced (Planner.busy_devices' estimate); a machine not in it counts every
+    # device busy. See speed.
+    busy_devices: dict[int, dict[str, float]] = field(default_factory=dict)
     # CPU emulation only: GPU type -> how much longer its decode steps take in wall time than its profile's decode fit
     # prices their CPU time at its fractions, beside the trainers of the split being priced (decode_contention; Planner.evaluate sets it).
     # A type not in it: 1. See decode_speed.
@@ -84,51 +88,72 @@ class Cluster:
     def gpu(self, type_name: str) -> GPUType:
         return self.gpu_types[type_name]
 
-    def speed(self, machine: int, kind: str = "compute") -> float:
+    def speed(self, machine: int, kind: str = "compute", role: str | None = None) -> float:
         """The fraction of its own rates a device of this machine runs at, for one kind of work (emulation.KINDS:
-        "compute" -- training, prefill; "bandwidth" -- decode; "link" -- weight sync): its type's emulated fraction
-        (1 without `emulate`) times its core share.
+        "compute" -- training, prefill; "bandwidth" -- decode; "link" -- weight sync) in one role ("train",
+        "rollout"; None: the busier of the two): its type's emulated fraction (1 without `emulate`) times its core
+        share.
 
         The core share is min(1, host_cores / demand). A CPU "device" is one process, and a device profile measures
         one process alone on a core; when a machine's busy processes want more cores than it has, the OS time-slices
         them, so each gets host_cores / demand of a core -- of its FLOP/s, of its memory bandwidth and of its host
-        time alike. The demand is the number of devices busy at once times what one busy device wants: a plain
-        device a whole core, an emulated one at most its largest fraction of one, since it sleeps the rest of every
-        piece of work (emulation.Throttle). A device that waits (a rollout rank at the staleness bound, a trainer
-        waiting for a batch, every rank of an eta = 0 step while the other side works) frees its core meanwhile, so
-        the devices busy at once are the sum of their busy fractions of the step: busy_devices, which
-        Planner.evaluate estimates from the step it prices (a fixed point), and without it every device counts busy.
+        time alike. The demand is the number of devices busy at once *while this one works* times what one busy
+        device wants: a plain device a whole core, an emulated one at most its largest fraction of one, since it
+        sleeps the rest of every piece of work (emulation.Throttle). A device that waits (a rollout rank at the
+        staleness bound, a trainer waiting for a batch, every rank of an eta = 0 step while the other side works)
+        frees its core meanwhile, so what a device sees depends on its role: busy_devices, which Planner.evaluate
+        estimates from the step it prices (a fixed point), and without it every device counts busy.
         No core share on a machine without host_cores (GPUs do not share their SMs and HBM with each other)."""
         m = self.machines[machine]
         emulate = self.gpu_types[m.gpu_type].emulate
         fraction = 1.0 if emulate is None else emulate.fraction(kind)
         if m.host_cores is None:
             return fraction
-        busy = self.busy_devices.get(machine, float(m.gpus))
+        seen = self.busy_devices.get(machine)
+        if seen is None:
+            busy = float(m.gpus)
+        elif role is None:
+            busy = max(seen.values(), default=float(m.gpus))
+        else:
+            if role not in ROLES:
+                raise ValueError(f"role {role!r}: one of {ROLES}")
+            busy = seen.get(role, float(m.gpus))
         demand = busy * (1.0 if emulate is None else emulate.demand)
         return fraction * (1.0 if demand <= m.host_cores else m.host_cores / demand)
 
     def with_busy_devices(
-        self, busy_devices: dict[int, float], decode_contention: dict[str, float] | None = None
+        self, busy_devices: dict[int, dict[str, float] | float], decode_contention: dict[str, float] | None = None
     ) -> Cluster:
-        """The same cluster with each machine's devices busy at once on average as given (Cluster.speed) and, when
-        given, each type's decode contention (decode_speed; else this cluster's)."""
+        """The same cluster with each machine's devices busy at once as given (Cluster.speed: machine -> role ->
+        devices; a number for a machine counts for both roles, as plans made before the roles were told apart record
+        it) and, when given, each type's decode contention (decode_speed; else this cluster's)."""
         contention = self.decode_contention if decode_contention is None else decode_contention
+        busy = {
+            int(m): {r: float(b) for r in ROLES}
+            if isinstance(b, (int, float))
+            else {str(r): float(v) for r, v in b.items()}
+            for m, b in busy_devices.items()
+        }
         return Cluster(
-            self.name, self.gpu_types, self.machines, self.inter_gbps, self.machine_gbps, dict(busy_devices),
-            dict(contention),
+            self.name, self.gpu_types, self.machines, self.inter_gbps, self.machine_gbps, busy, dict(contention),
         )  # fmt: skip
 
     def decode_speed(self, type_name: str) -> float:
         """The fraction of its own decode rate a replica of this type runs at in wall time: type_speed of
-        "bandwidth" over the type's decode contention (1 unless the split being priced set one). Rates and CPU
-        work stay type_speed's; the contention is the wall time a CPU-emulated rank's steps lose beyond them."""
-        return self.type_speed(type_name, "bandwidth") / self.decode_contention.get(type_name, 1.0)
+        "bandwidth" in the rollout role, or, where the split being priced set the type's decode contention (a
+        CPU-emulated type whose profile timed its decode beside each type's trainers), the type's emulated
+        fraction over that contention: the contention is the measured wall a step takes beside the trainers
+        (its waits for a core included), which replaces the core share's estimate of the same waits."""
+        contention = self.decode_contention.get(type_name)
+        if contention is None:
+            return self.type_speed(type_name, "bandwidth", "rollout")
+        emulate = self.gpu_types[type_name].emulate
+        return (1.0 if emulate is None else emulate.fraction("bandwidth")) / contention
 
-    def type_speed(self, type_name: str, kind: str = "compute") -> float:
-        """Cluster.speed of a GPU type: its slowest machine's (the planner prices a rollout replica per type; on
-        every shipped cluster the machines of a type have one speed)."""
-        return min((self.speed(m.index, kind) for m in self.machines if m.gpu_type == type_name), default=1.0)
+    def type_speed(self, type_name: str, kind: str = "compute", role: str | None = None) -> float:
+        """Cluster.speed of a GPU type in a role: its slowest machine's (the planner prices a rollout replica per type;
+        on every shipped cluster the machines of a type have one speed)."""
+        return min((self.speed(m.index, kind, role) for m in self.machines if m.gpu_type == type_name), default=1.0)
 
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between one GPU on machine a and one on machine b (a == b: NVLink)."""

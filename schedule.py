@@ -82,8 +82,9 @@ class SolverStats:
     history: list[float] = field(default_factory=list)
 
 
-# Rounds of Planner.evaluate's core-share fixed point (one suffices on one machine; more where machines differ)
-CORE_SHARE_ROUNDS = 4
+# Rounds of Planner.evaluate's core-share fixed point: the roles' shares feed each other (a slower replica is busy
+# longer, which slows the trainers beside it), 5 pricings on the CPU demo's split at eta 4, one at eta 0
+CORE_SHARE_ROUNDS = 12
 
 
 def powers_of_two(limit: int) -> list[int]:
@@ -100,8 +101,9 @@ class Evaluation:
     sync_s: float
     step_s: float
     tokens_per_s: float
-    # machine -> devices busy at once, the core shares were priced with (CPU clusters; empty: every device busy)
-    busy_devices: dict[int, float] = field(default_factory=dict)
+    # machine -> role -> devices busy at once while one of that role works, the core shares were priced with (CPU
+    # clusters; Planner.busy_devices; empty: every device busy)
+    busy_devices: dict[int, dict[str, float]] = field(default_factory=dict)
     # GPU type -> the decode contention its replicas were priced with beside this split's trainers (CPU emulation;
     # cost_model.decode_contention; empty: none)
     decode_contention: dict[str, float] = field(default_factory=dict)
@@ -243,7 +245,7 @@ class Planner:
             nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
             specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
         # CPU cores shared, emulated types (Cluster.speed)
-        speeds = [min(self.cluster.speed(m, "compute") for m in ms) for _, ms, *_ in specs]
+        speeds = [min(self.cluster.speed(m, "compute", "train") for m in ms) for _, ms, *_ in specs]
         key = (tuple(types), dp, tp, pp)
         if key not in self._split_cache:
             self._split_cache[key] = self._split_layers(types, dp, tp, pp)
@@ -259,7 +261,8 @@ class Planner:
         moved off stages that exceed memory, then greedily off the slowest stage while that helps."""
         L, mdl = self.model.layers, self.model
         speed = [
-            self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t, "compute") for t in types
+            self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t, "compute", "train")
+            for t in types
         ]
         f_layer = mdl.layer_flops_per_token(self.wl.decode_context)
         f_head = 2 * mdl.head_params
@@ -399,7 +402,8 @@ class Planner:
                     continue
                 bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
                 # < 1 only where CPU processes share cores or the type is emulated
-                decode, prefill = self.cluster.decode_speed(gpu_type), self.cluster.type_speed(gpu_type)
+                decode = self.cluster.decode_speed(gpu_type)
+                prefill = self.cluster.type_speed(gpu_type, "compute", "rollout")
                 cost = cm.replica_cost(
                     self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, decode, prefill
                 )
@@ -567,7 +571,10 @@ class Planner:
             if not math.isfinite(ev.step_s):
                 break
             busy = self.busy_devices(ev)
-            if all(abs(busy[m] - pricer.cluster.busy_devices.get(m, -1.0)) < 1e-3 for m in busy):
+            before = pricer.cluster.busy_devices
+            if all(
+                abs(b - before.get(m, {}).get(r, -1.0)) < 1e-3 for m, roles in busy.items() for r, b in roles.items()
+            ):
                 break
             pricer = self._priced_on(self.cluster.with_busy_devices(busy, contention))
             ev = pricer._price(train_counts, exhaustive)
@@ -575,20 +582,57 @@ class Planner:
         self._eval_cache[key] = ev
         return ev
 
-    def busy_devices(self, ev: Evaluation) -> dict[int, float]:
-        """Machine -> its devices busy at once on average in the step `ev` prices, as fractions of the step: each
-        train GPU for its stage's own work (not the 1F1B bubble) and the train side's weight sync, each rollout GPU
-        for generation, reward and the sync until its replicas hold the version; a GPU in neither role idle."""
+    def busy_devices(self, ev: Evaluation) -> dict[int, dict[str, float]]:
+        """Machine -> role -> its devices busy at once while one of that role works, in the step `ev` prices
+        (Cluster.speed). Each device's busy fraction of the step: a train GPU's for its stage's own work (not the
+        1F1B bubble) and the train side's weight sync, a rollout GPU's for generation, reward and the sync until its
+        replicas hold the version; a GPU in neither role idles. While one device works:
+          - the devices in lockstep with it work too: its stage's other DP and TP ranks (they meet at every
+            collective) or, for a replica, the other replicas (gated together: by the weight version they wait for
+            and the batches that version releases), so a replica busy a third of the step decodes beside the other
+            replicas, not beside a third of them;
+          - a train rank of another pipeline stage works as much of this stage's work as the train step's span
+            forces them to share: (own + other - span) / own, at least 0 (the 1F1B schedule: both work in its
+            steady phase, one alone in the other's bubble);
+          - the other role's devices work their busy fraction, independent of it (eta > 0: the two sides overlap
+            freely), or not at all (eta = 0: the step runs them back to back).
+        A machine's value for the train role is the mean over its train ranks. A device's own idle time frees its
+        core for the others but is no relief while it works: counting each device by its mean busy fraction (what
+        this did before) gave a replica busy a third of the step the share of the step's mean demand, while it
+        decodes when the trainers and the other replicas do."""
         step = ev.step_s
         work = ev.train.stage_busy_s or [ev.train_s] * len(ev.train.stages)
         rollout_busy = min(1.0, (ev.rollout_s + self.wl.reward_s + ev.sync_s) / step)
-        busy = {m.index: 0.0 for m in self.cluster.machines}
-        for (_, _, ids), stage_work in zip(ev.train.stages, work):
+        # machine -> stage -> its ranks there
+        ranks: dict[int, dict[int, int]] = {m.index: {} for m in self.cluster.machines}
+        replicas: dict[int, int] = {m.index: 0 for m in self.cluster.machines}
+        for k, (_, _, ids) in enumerate(ev.train.stages):
             for i in ids:
-                busy[self.gpu_machine[i]] += min(1.0, (stage_work + ev.train_sync_s) / step)
+                ranks[self.gpu_machine[i]][k] = ranks[self.gpu_machine[i]].get(k, 0) + 1
         for _, ids in ev.rollout.replicas:
             for i in ids:
-                busy[self.gpu_machine[i]] += rollout_busy
+                replicas[self.gpu_machine[i]] += 1
+        stage_busy = [min(1.0, (w + ev.train_sync_s) / step) for w in work]  # of the step
+
+        def together(k: int, j: int) -> float:
+            """Of stage k's work, the part stage j works at the same time (the train step's span forces it)."""
+            if j == k:
+                return 1.0
+            if work[k] <= 0:
+                return 0.0
+            return min(1.0, max(0.0, work[k] + work[j] - ev.train_s) / work[k])
+
+        overlap = 1.0 if self.wl.eta > 0 else 0.0
+        busy: dict[int, dict[str, float]] = {}
+        for m, here in ranks.items():
+            train_busy = sum(n * stage_busy[k] for k, n in here.items())
+            rollout_side = overlap * replicas[m] * rollout_busy
+            seen = {k: sum(n * together(k, j) for j, n in here.items()) + rollout_side for k in here}
+            busy[m] = {
+                # the mean over the machine's train ranks
+                "train": sum(n * seen[k] for k, n in here.items()) / sum(here.values()) if here else 1.0 + rollout_side,
+                "rollout": max(replicas[m], 1) + overlap * train_busy,
+            }
         return busy
 
     def _priced_on(self, cluster: Cluster) -> Planner:
@@ -626,7 +670,11 @@ class Planner:
         if train and rollout:
             machines = self.rollout_machines(rollout)
             owners = self.owner_machines(train)
-            speed = min(self.cluster.speed(m, "link") for m in {*machines, *(m for stage in owners for m in stage)})
+            # the train side's owners send, the rollout ranks receive: the slower end sets the hop
+            speed = min(
+                [self.cluster.speed(m, "link", "rollout") for m in machines]
+                + [self.cluster.speed(m, "link", "train") for stage in owners for m in stage]
+            )
             sync_send_s, sync_s = cm.sync_times(
                 self.sync_buckets(train), machines, owners, self.cluster.link_gbps, self.eff, speed
             )
@@ -1179,7 +1227,7 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "step_s": ev.step_s,
         "tokens_per_s": ev.tokens_per_s,
         # CPU clusters: machine -> devices busy at once, the core shares were priced with (Cluster.speed)
-        **({"busy_devices": {str(m): b for m, b in ev.busy_devices.items()}} if ev.busy_devices else {}),
+        **({"busy_devices": {str(m): dict(b) for m, b in ev.busy_devices.items()}} if ev.busy_devices else {}),
         # CPU emulation: type -> its replicas' decode contention beside this split's trainers (Cluster.decode_speed)
         **({"decode_contention": dict(ev.decode_contention)} if ev.decode_contention else {}),
         "dollars_per_hour": dollars,

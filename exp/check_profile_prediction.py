@@ -178,17 +178,26 @@ def main(argv: list[str] | None = None) -> int:
         "sync_s": ev.train_sync_s,  # the train side's sends, as weight_sync_s measures them
         "ready_s": ev.sync_s,  # until every replica holds the version
         "rollout_s": ev.rollout_s,
-        "busy_devices": {str(m): b for m, b in ev.busy_devices.items()},
+        "busy_devices": {str(m): dict(b) for m, b in ev.busy_devices.items()},
     }
     error = (predicted["step_s"] - measured["step_s"]) / measured["step_s"]
     priced = cluster.with_busy_devices(ev.busy_devices)
-    speed = ", ".join(
-        f"machine {m.index}: {priced.speed(m.index):.3g} ({ev.busy_devices.get(m.index, m.gpus):.2f} of "
-        f"{m.gpus} devices busy at once on {m.host_cores} cores)"
-        if m.host_cores is not None
-        else f"machine {m.index}: {priced.speed(m.index):.3g}"
-        for m in cluster.machines
-    )
+
+    def machine_speed(m: cm.Machine) -> str:
+        if m.host_cores is None:
+            return f"machine {m.index}: {priced.speed(m.index):.3g}"
+        seen = ev.busy_devices.get(m.index, {})
+        return (
+            f"machine {m.index}: "
+            + ", ".join(
+                f"{role} {priced.speed(m.index, 'compute', role):.3g} ({seen.get(role, m.gpus):.2f} of {m.gpus} devices "
+                f"busy while one works)"
+                for role in cm.ROLES
+            )
+            + f" on {m.host_cores:g} cores"
+        )
+
+    speed = "; ".join(machine_speed(m) for m in cluster.machines)
     print(f"run {run}: {len(steps)} steps, {len(steady)} steady (first {a.skip} and those after an eval left out)")
     print(
         f"workload: {wl.batch} sequences/step ({wl.prompts_per_step} x {wl.samples_per_prompt}), prompt "

@@ -349,7 +349,7 @@ def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec
     # the round's CPU work: the round at the bandwidth fraction and core share, less its decode contention (wall)
     priced = [
         replica.cost.round_s
-        * min(cluster.speed(machine[g], "bandwidth") for g in ids)
+        * min(cluster.speed(machine[g], "bandwidth", "rollout") for g in ids)
         / cluster.decode_contention.get(replica.gpu_type, 1.0)
         for replica, ids in ev.rollout.replicas
     ]

@@ -70,7 +70,7 @@ def _inputs(plan: dict, workload: cm.Workload | dict | None, eta: int | None):
     cluster = cm.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
     busy = plan.get("predicted", {}).get("busy_devices")
     if busy:  # CPU processes sharing cores: the shares the plan was priced at (Planner.evaluate)
-        cluster = cluster.with_busy_devices({int(m): float(b) for m, b in busy.items()})
+        cluster = cluster.with_busy_devices(busy)
     contention = plan.get("predicted", {}).get("decode_contention")
     if contention:  # CPU emulation: the decode contention beside the plan's trainers it was priced with
         cluster = cluster.with_busy_devices(cluster.busy_devices, {t: float(c) for t, c in contention.items()})
@@ -106,13 +106,10 @@ def build_replicas(
         if decode_s_per_token is not None:
             scale = decode_s_per_token * rep["batch"] / curve[rep["batch"]]
             curve = [c * scale for c in curve]
-        prefill = (
-            prefill_s_per_token
-            if prefill_s_per_token is not None
-            else 2
-            * model.params
-            / (rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer * cluster.type_speed(rep["gpu_type"]))
-        )
+        # a replica prefills in the rollout role (its core share there)
+        rate = rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer
+        rate *= cluster.type_speed(rep["gpu_type"], "compute", "rollout")
+        prefill = prefill_s_per_token if prefill_s_per_token is not None else 2 * model.params / rate
         out.append(Replica(rep["batch"], curve, prefill))
     if not out:
         raise ValueError("plan has no rollout replicas")

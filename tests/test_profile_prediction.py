@@ -158,63 +158,102 @@ def demo_split(cluster: cm.Cluster, eta: int = 4) -> tuple[sc.Planner, sc.Evalua
     return p, p.evaluate((2,) + (0,) * (len(cluster.machines) - 1))
 
 
-def busy_at_once(ev: sc.Evaluation, train_gpus: int, rollout_gpus: int, reward_s: float = 0.0) -> float:
-    """Devices busy at once, by the formula: each side's busy time (its work and its part of the sync: the trainers'
-    sends, the replicas' until they hold the version) over the step."""
+def seen_while_working(
+    ev: sc.Evaluation, train_gpus: int, rollout_gpus: int, reward_s: float = 0.0, eta: int = 4
+) -> dict:
+    """Devices busy at once while one of each role works, by the formula for one machine of dp trainers (one stage)
+    and TP-1 replicas: each side's busy time (its work and its part of the sync: the trainers' sends, the replicas'
+    until they hold the version) over the step; a role's own devices all work together, the other role's by its
+    busy fraction (eta > 0) or not at all (eta = 0)."""
     step = ev.step_s
     train = min(1.0, (ev.train_s + ev.train_sync_s) / step)
     rollout = min(1.0, (ev.rollout_s + reward_s + ev.sync_s) / step)
-    return train_gpus * train + rollout_gpus * rollout
+    overlap = 1.0 if eta > 0 else 0.0
+    return {
+        "train": train_gpus + overlap * rollout_gpus * rollout,
+        "rollout": rollout_gpus + overlap * train_gpus * train,
+    }
 
 
 def test_a_pipeline_trainer_counts_busy_for_its_work_not_its_bubble():
     """Train dp 1 x pp 2 beside one rollout replica on 3 processes: each stage's process is busy for its own
     micro-batches and optimizer work (cost_model.train_step_times) and the train side's sync, not for the whole
-    train step, so fewer devices are busy at once than the step's length would say."""
+    train step. While one stage works the other works only as much as the train step's span forces (1F1B: both in
+    the steady phase, one alone in the other's bubble), so a stage sees fewer devices busy than if the two stages
+    always worked together; the replica sees both stages by their busy fractions."""
     wl = cm.Workload(**{**DEMO, "microbatch_tokens": 1024, "ppo_minibatches": 1})
     p = sc.Planner(cpu_cluster(2, 3), cm.load_model_spec(TINY), wl, cm.Efficiency(sync_latency_s=0.01),
                    forced_layout=(1, 1, 2), rollout_tp=1)  # fmt: skip
     ev = p.evaluate((2,))
     assert ev.train.pp == 2 and len(ev.train.stage_busy_s) == 2
     step, rollout = ev.step_s, min(1.0, (ev.rollout_s + ev.sync_s) / ev.step_s)
-    by_stage = sum(min(1.0, (b + ev.train_sync_s) / step) for b in ev.train.stage_busy_s)
-    assert ev.busy_devices[0] == pytest.approx(by_stage + rollout, rel=1e-3)  # the fixed point
-    assert max(ev.train.stage_busy_s) < ev.train_s
-    assert ev.busy_devices[0] < 2 * min(1.0, (ev.train_s + ev.train_sync_s) / step) + rollout
+    w0, w1 = ev.train.stage_busy_s
+    assert max(w0, w1) < ev.train_s < w0 + w1  # each stage idles in its bubble; the two overlap
+    both = w0 + w1 - ev.train_s
+    seen = [1 + both / w0 + rollout, 1 + both / w1 + rollout]
+    by_stage = sum(min(1.0, (w + ev.train_sync_s) / step) for w in (w0, w1))
+    assert ev.busy_devices[0]["train"] == pytest.approx(sum(seen) / 2, rel=1e-3)  # the fixed point
+    assert ev.busy_devices[0]["rollout"] == pytest.approx(1 + by_stage, rel=1e-3)
+    assert ev.busy_devices[0]["train"] < 2 + rollout
 
 
 def test_speed_counts_the_busy_devices_given():
     c = cpu_cluster(2, 4)
-    assert c.with_busy_devices({0: 3.2}).speed(0) == pytest.approx(2 / 3.2)
-    assert c.with_busy_devices({0: 1.5}).speed(0) == 1.0  # fewer busy than cores: a core each
-    assert c.with_busy_devices({0: 0.0}).speed(0) == 1.0
-    assert c.with_busy_devices({0: 3.2}).type_speed("cpu") == pytest.approx(2 / 3.2)
-    assert c.speed(0) == 0.5 and c.busy_devices == {}  # without an estimate every device counts busy
+    seen = c.with_busy_devices({0: {"train": 2.5, "rollout": 3.2}})
+    assert seen.speed(0, "compute", "train") == pytest.approx(2 / 2.5)
+    assert seen.speed(0, "bandwidth", "rollout") == pytest.approx(2 / 3.2)
+    assert seen.speed(0) == pytest.approx(2 / 3.2)  # no role: the busier view
+    assert seen.type_speed("cpu", "compute", "train") == pytest.approx(2 / 2.5)
+    assert seen.decode_speed("cpu") == pytest.approx(2 / 3.2)  # a replica decodes in the rollout role
+    assert c.with_busy_devices({0: {"train": 1.5, "rollout": 1.5}}).speed(0, "compute", "train") == 1.0  # a core each
+    assert c.with_busy_devices({0: 3.2}).speed(0, "compute", "train") == pytest.approx(2 / 3.2)  # a number: both
+    assert c.with_busy_devices({0: 3.2}).speed(0, "compute", "rollout") == pytest.approx(2 / 3.2)
+    assert c.speed(0, "compute", "train") == 0.5 and c.busy_devices == {}  # without an estimate every device is busy
     assert cpu_cluster(None, 4).with_busy_devices({0: 4.0}).speed(0) == 1.0  # no host_cores: no sharing
+    with pytest.raises(ValueError, match="role 'trainer'"):
+        seen.speed(0, "compute", "trainer")
 
 
 @pytest.mark.parametrize("eta", [0, 4])
-def test_a_shared_machine_is_priced_at_the_cores_over_the_devices_busy_at_once(eta):
-    """Every time of the split is the unshared one over the core share, host_cores / (devices busy at once); the
-    busy devices are those of the step priced (the fixed point: the DP all-reduce, a link, is not shared out, so
-    the busy fractions move a little with the share). At eta = 0 the two sides take turns, so fewer devices are
-    busy at once than at eta 4."""
+def test_a_shared_machine_is_priced_at_the_cores_over_the_devices_busy_while_one_works(eta):
+    """Each role's times are the unshared ones over its core share, host_cores / (devices busy while one of the
+    role works); those are of the step priced (the fixed point: the DP all-reduce, a link, is not shared out, so
+    the busy fractions move a little with the share). A replica busy part of the step decodes beside both
+    trainers and the other replica, so it gets less of a core than a trainer. At eta = 0 the two sides take
+    turns: each sees only its own role's devices, 2 on 2 cores, a core each."""
     _, plain = demo_split(cpu_cluster(None), eta)
     p, shared = demo_split(cpu_cluster(2), eta)
     busy = shared.busy_devices[0]
-    assert busy == pytest.approx(busy_at_once(shared, 2, 2), rel=1e-3)  # the fixed point
-    assert busy == pytest.approx(busy_at_once(plain, 2, 2), rel=1e-2)
-    share = min(1.0, 2 / busy)
-    assert 0.5 < share < 1.0
-    for key in ("rollout_s", "sync_s"):
-        assert getattr(shared, key) == pytest.approx(getattr(plain, key) / share, rel=1e-9), key
+    step = shared.step_s
+    train = min(1.0, (shared.train_s + shared.train_sync_s) / step)
+    rollout = min(1.0, (shared.rollout_s + shared.sync_s) / step)
+    overlap = 1.0 if eta > 0 else 0.0
+    assert busy["train"] == pytest.approx(2 + overlap * 2 * rollout, rel=1e-3)  # the fixed point
+    assert busy["rollout"] == pytest.approx(2 + overlap * 2 * train, rel=1e-3)
+    share = {role: min(1.0, 2 / b) for role, b in busy.items()}
+    if eta == 0:
+        assert share == {"train": 1.0, "rollout": 1.0}
+    else:
+        assert 0.5 <= share["rollout"] < share["train"] < 1.0
+    assert shared.rollout_s == pytest.approx(plain.rollout_s / share["rollout"], rel=1e-9)
+    # the sync's hops run at the slower end's share
+    assert shared.sync_s == pytest.approx(plain.sync_s / min(share.values()), rel=1e-9)
     # the train step stretches but for its DP all-reduce
     params = 4 * cm.load_model_spec(TINY).layer_params + cm.load_model_spec(TINY).head_params
     all_reduce = DEMO["ppo_minibatches"] * (cm.LINK_LATENCY_S + params * 4 / 2e9)
-    assert shared.train_s - all_reduce == pytest.approx((plain.train_s - all_reduce) / share, rel=1e-9)
-    if eta == 0:
-        _, four = demo_split(cpu_cluster(2), 4)
-        assert busy < four.busy_devices[0]
+    assert shared.train_s - all_reduce == pytest.approx((plain.train_s - all_reduce) / share["train"], rel=1e-9)
+
+
+def test_a_replica_is_priced_beside_what_runs_while_it_decodes():
+    """The CPU demo's split, eta 4: a replica works a part of the step, but while it decodes the trainers and the
+    other replica are busy, so it sees more devices busy than the machine's mean (the sum of every device's busy
+    fraction), and the trainers, which see the replicas for their busy part, fewer. Pricing every device at the
+    mean (the model before) gave the replicas more of a core than they get and so the trainers too."""
+    _, ev = demo_split(cpu_cluster(2), 4)
+    step = ev.step_s
+    mean = 2 * min(1.0, (ev.train_s + ev.train_sync_s) / step) + 2 * min(1.0, (ev.rollout_s + ev.sync_s) / step)
+    assert ev.busy_devices[0]["rollout"] > mean > 2
+    assert ev.busy_devices[0]["train"] == pytest.approx(mean, rel=0.05)  # the trainers are busy nearly all of it
 
 
 def test_the_side_that_bounds_the_step_is_busy_all_of_it():
@@ -225,7 +264,8 @@ def test_the_side_that_bounds_the_step_is_busy_all_of_it():
     ev = p.evaluate((2,))
     assert ev.rollout_s > ev.train_s
     trainers = 2 * (ev.train_s + ev.sync_s) / ev.step_s
-    assert ev.busy_devices[0] == pytest.approx(2 + trainers, rel=1e-3) and 2 < ev.busy_devices[0] < 4
+    assert ev.busy_devices[0]["train"] == pytest.approx(4.0, rel=1e-3)  # the replicas never rest
+    assert ev.busy_devices[0]["rollout"] == pytest.approx(2 + trainers, rel=1e-3) and 2 < 2 + trainers < 4
 
 
 def test_core_shares_settle_on_machines_of_different_loads():
@@ -245,19 +285,23 @@ def test_core_shares_settle_on_machines_of_different_loads():
     assert set(ev.busy_devices) == {0, 1}
     settled = p.busy_devices(ev)
     for m in (0, 1):
-        assert settled[m] == pytest.approx(ev.busy_devices[m], rel=1e-2), m
+        for role in cm.ROLES:
+            assert settled[m][role] == pytest.approx(ev.busy_devices[m][role], rel=1e-2), (m, role)
     step = ev.step_s
-    assert ev.busy_devices[0] == pytest.approx(2 * min(1, (ev.train_s + ev.sync_s) / step), rel=1e-2)
-    assert ev.busy_devices[1] == pytest.approx(2 * min(1, (ev.rollout_s + ev.sync_s) / step), rel=1e-2)
+    assert ev.busy_devices[0]["train"] == 2.0  # the DP pair, nothing else on its machine
+    assert ev.busy_devices[1]["rollout"] == 2.0  # the replicas, gated together
+    # what a device of the other role would see there: itself and the machine's devices by their busy fractions
+    assert ev.busy_devices[0]["rollout"] == pytest.approx(1 + 2 * min(1, (ev.train_s + ev.sync_s) / step), rel=1e-2)
+    assert ev.busy_devices[1]["train"] == pytest.approx(1 + 2 * min(1, (ev.rollout_s + ev.sync_s) / step), rel=1e-2)
     priced = cluster.with_busy_devices(ev.busy_devices)
-    assert priced.speed(0) == pytest.approx(min(1.0, 1 / ev.busy_devices[0]))
+    assert priced.speed(0, "compute", "train") == 0.5 and priced.speed(1, "bandwidth", "rollout") == 0.5
 
 
 def test_plans_keep_their_core_shares_through_the_plan_json():
     model, wl, eff = cm.load_model_spec(TINY), cm.Workload(**DEMO), cm.Efficiency(sync_latency_s=0.01)
     shared = sc.plan(cpu_cluster(2), model, wl, eff)
-    busy = float(shared["predicted"]["busy_devices"]["0"])
-    assert 2 < busy < 4
+    busy = shared["predicted"]["busy_devices"]["0"]
+    assert set(busy) == set(cm.ROLES) and all(2 < b <= 4 for b in busy.values())
     assert "busy_devices" not in sc.plan(cpu_cluster(None), model, wl, eff)["predicted"]
     p, counts = sc.planner_from_plan(shared)  # the plan's inputs keep host_cores, not the estimate
     assert p.cluster.busy_devices == {} and p.evaluate(counts).step_s == pytest.approx(shared["predicted"]["step_s"])
@@ -549,14 +593,14 @@ def test_each_new_key_moves_the_prediction(tmp_path):
     for key in ("rollout_s", "sync_s", "train_s", "step_s"):
         assert getattr(base, key) == pytest.approx(getattr(plain, key), rel=1e-12), key  # 4 cores: a core each
     shared = demo_eval(tmp_path, "shared", host_cores=2)
-    share = min(1.0, 2 / shared.busy_devices[0])
-    assert shared.busy_devices[0] == pytest.approx(busy_at_once(shared, 2, 2), rel=1e-3)
-    assert shared.rollout_s == pytest.approx(plain.rollout_s / share) and shared.sync_s == pytest.approx(
-        plain.sync_s / share
-    )
+    share = {role: min(1.0, 2 / b) for role, b in shared.busy_devices[0].items()}
+    for role, b in seen_while_working(shared, 2, 2).items():
+        assert shared.busy_devices[0][role] == pytest.approx(b, rel=1e-3), role
+    assert shared.rollout_s == pytest.approx(plain.rollout_s / share["rollout"])
+    assert shared.sync_s == pytest.approx(plain.sync_s / min(share.values()))
     params = 4 * cm.load_model_spec(TINY).layer_params + cm.load_model_spec(TINY).head_params
     all_reduce = DEMO["ppo_minibatches"] * (cm.LINK_LATENCY_S + params * 4 / 2e9)  # dp 2 over gloo: not shared
-    assert shared.train_s - all_reduce == pytest.approx((plain.train_s - all_reduce) / share)
+    assert shared.train_s - all_reduce == pytest.approx((plain.train_s - all_reduce) / share["train"])
 
 
 @pytest.mark.parametrize(
@@ -633,7 +677,8 @@ def test_check_script_compares_the_steady_steps_with_the_prediction(tmp_path, ca
     assert chk.train_passes({"ppo_minibatches": 4, "recompute_prox_logprobs": False, "kl_coef": 0.1}) == 4.0
     ev, planner = chk.predict(str(ROOT / "exp/clusters/cpu.yaml"), [str(prof)], cfg, plan, layout, wl)
     assert (ev.train.dp, ev.train.tp, ev.train.pp, len(ev.rollout.replicas)) == (2, 1, 1, 2)
-    assert planner.cluster.speed(0) == 0.5 and 0.5 < planner.cluster.with_busy_devices(ev.busy_devices).speed(0) < 1
+    priced = planner.cluster.with_busy_devices(ev.busy_devices)
+    assert planner.cluster.speed(0) == 0.5 and 0.5 < priced.speed(0, "compute", "train") < 1
     close = fake_run(tmp_path / "a", ev.step_s * 1.1)
     far = fake_run(tmp_path / "b", ev.step_s * 1.5)
     args = ["--profile", str(prof), "--prompt-len", "29", "--json", str(tmp_path / "c.json")]

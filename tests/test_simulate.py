@@ -127,10 +127,12 @@ def test_a_cpu_plans_replicas_run_at_the_core_share_it_was_priced_at():
     wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29.0, gen_samples=[25.5], eta=4,
                      precision="fp32", max_batch=64)  # fmt: skip
     pj = sc.plan(cluster, cm.load_model_spec(ROOT / "exp/tiny-model"), wl, cm.Efficiency())
-    busy = float(pj["predicted"]["busy_devices"]["0"])
-    assert busy < 4  # some ranks wait part of the step, so the share is above 2 / 4
+    busy = pj["predicted"]["busy_devices"]["0"]
+    assert busy["train"] < 4  # the replicas wait part of the step, so the trainers get more than 2 / 4 of a core
     c, model, w, eff = sim._inputs(pj, None, None)
-    assert c.speed(0) == pytest.approx(min(1.0, 2 / busy)) and c.speed(0) > 0.5
+    for role, b in busy.items():
+        assert c.speed(0, "bandwidth", role) == pytest.approx(min(1.0, 2 / b)), role
+    assert c.speed(0, "compute", "train") > 0.5
     replicas = sim.build_replicas(pj, c, model, w, eff)
     for rep, planned in zip(replicas, pj["rollout"]["replicas"]):
         assert rep.round_s[rep.batch] == pytest.approx(planned["round_s"], rel=1e-9)
