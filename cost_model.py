@@ -117,7 +117,7 @@ class Cluster:
         else:
             if role not in ROLES:
                 raise ValueError(f"role {role!r}: one of {ROLES}")
-            busy = seen.get(role, float(m.gpus))
+            busy = seen.get(role, float(m.gpus))  # no device of the role there: as if every device were busy
         demand = busy * (1.0 if emulate is None else emulate.demand)
         return fraction * (1.0 if demand <= m.host_cores else m.host_cores / demand)
 
@@ -151,9 +151,13 @@ class Cluster:
         return (1.0 if emulate is None else emulate.fraction("bandwidth")) / contention
 
     def type_speed(self, type_name: str, kind: str = "compute", role: str | None = None) -> float:
-        """Cluster.speed of a GPU type in a role: its slowest machine's (the planner prices a rollout replica per type;
-        on every shipped cluster the machines of a type have one speed)."""
-        return min((self.speed(m.index, kind, role) for m in self.machines if m.gpu_type == type_name), default=1.0)
+        """Cluster.speed of a GPU type in a role: its slowest machine's among those where the role runs (all of the
+        type's where it runs on none, or without an estimate); the planner prices a rollout replica per type, and
+        on every shipped cluster the machines of a type have one speed."""
+        machines = [m.index for m in self.machines if m.gpu_type == type_name]
+        if role is not None:
+            machines = [i for i in machines if role in self.busy_devices.get(i, {})] or machines
+        return min((self.speed(i, kind, role) for i in machines), default=1.0)
 
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between one GPU on machine a and one on machine b (a == b: NVLink)."""

@@ -625,14 +625,13 @@ class Planner:
         overlap = 1.0 if self.wl.eta > 0 else 0.0
         busy: dict[int, dict[str, float]] = {}
         for m, here in ranks.items():
-            train_busy = sum(n * stage_busy[k] for k, n in here.items())
-            rollout_side = overlap * replicas[m] * rollout_busy
-            seen = {k: sum(n * together(k, j) for j, n in here.items()) + rollout_side for k in here}
-            busy[m] = {
-                # the mean over the machine's train ranks
-                "train": sum(n * seen[k] for k, n in here.items()) / sum(here.values()) if here else 1.0 + rollout_side,
-                "rollout": max(replicas[m], 1) + overlap * train_busy,
-            }
+            busy[m] = {}  # only the roles the machine's devices have (an idle device sees nothing)
+            if here:
+                rollout_side = overlap * replicas[m] * rollout_busy
+                seen = {k: sum(n * together(k, j) for j, n in here.items()) + rollout_side for k in here}
+                busy[m]["train"] = sum(n * seen[k] for k, n in here.items()) / sum(here.values())  # over its ranks
+            if replicas[m]:
+                busy[m]["rollout"] = replicas[m] + overlap * sum(n * stage_busy[k] for k, n in here.items())
         return busy
 
     def _priced_on(self, cluster: Cluster) -> Planner:

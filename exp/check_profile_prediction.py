@@ -184,18 +184,15 @@ def main(argv: list[str] | None = None) -> int:
     priced = cluster.with_busy_devices(ev.busy_devices)
 
     def machine_speed(m: cm.Machine) -> str:
-        if m.host_cores is None:
-            return f"machine {m.index}: {priced.speed(m.index):.3g}"
+        """A machine's core share per role its devices have (Cluster.speed), and the devices busy while one works."""
         seen = ev.busy_devices.get(m.index, {})
-        return (
-            f"machine {m.index}: "
-            + ", ".join(
-                f"{role} {priced.speed(m.index, 'compute', role):.3g} ({seen.get(role, m.gpus):.2f} of {m.gpus} devices "
-                f"busy while one works)"
-                for role in cm.ROLES
-            )
-            + f" on {m.host_cores:g} cores"
+        if m.host_cores is None or not seen:
+            return f"machine {m.index}: {priced.speed(m.index):.3g}"
+        roles = ", ".join(
+            f"{role} {priced.speed(m.index, 'compute', role):.3g} ({busy:.2f} of {m.gpus} devices busy while one works)"
+            for role, busy in seen.items()
         )
+        return f"machine {m.index}: {roles} on {m.host_cores:g} cores"
 
     speed = "; ".join(machine_speed(m) for m in cluster.machines)
     print(f"run {run}: {len(steps)} steps, {len(steady)} steady (first {a.skip} and those after an eval left out)")

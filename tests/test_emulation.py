@@ -418,6 +418,27 @@ def test_the_hetero_summary_splits_a_replicas_generation_into_work_padding_and_w
     assert hetero_cpu.generation([[{"step": 4}, {"step": 5}]], replicas, ev, sub) == {}  # runs before the counters
 
 
+def test_an_emulated_ranks_core_share_is_whole_in_every_role_of_every_split():
+    """cpu_hetero gives each machine one core for two ranks that want at most half a core each: whatever a split
+    puts on a machine, and whichever role a rank has there, the planner prices it at its type's fractions alone
+    (a core share of 1), so the emulation, not the sharing, sets the types' speeds."""
+    hetero_cpu, spec, model, wl = hetero_experiment()
+    p = hetero_cpu.planner_for(spec, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
+    checked = 0
+    for counts in ((0, 2), (2, 0), (1, 1), (2, 1), (1, 2)):
+        ev = p.evaluate(counts)
+        if not ev.train or not ev.rollout:
+            continue
+        priced = p.cluster.with_busy_devices(ev.busy_devices)
+        for m, roles in ev.busy_devices.items():
+            emulate = p.cluster.gpu(p.cluster.machines[m].gpu_type).emulate
+            for role in roles:
+                for kind in ("compute", "bandwidth", "link"):
+                    assert priced.speed(m, kind, role) == emulate.fraction(kind), (counts, m, role, kind)
+                    checked += 1
+    assert checked >= 3 * 2 * 3  # three splits or more, each with both roles
+
+
 def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainers():
     """TypeEfficiency.decode_beside (a type profile's decode step beside each type's trainers): the planner prices
     each type's replicas at the mean factor over the split's train GPUs by type, a trainer type not measured counting
