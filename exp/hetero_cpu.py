@@ -332,7 +332,7 @@ def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec
     from each run's first steady step to its last, averaged over the runs): its wall seconds in generator steps,
     their CPU seconds, the throttle's padding, and the rest -- waits for a core the padding did not absorb -- with
     the wall and CPU seconds of one generator step beside the model's (its decode round at the replica's batch;
-    times the type's bandwidth fraction and core share: the CPU work the throttle pads to the round). A prefill
+    times the decode speed it was priced at: the CPU work the throttle pads to the round). A prefill
     rides in some generator steps; the model prices it apart. {} for runs without the counters."""
     spans = [(rr[0], rr[-1]) for rr in per_run if len(rr) > 1 and "rollout_generate_cpu_s" in rr[-1]]
     if not spans:
@@ -344,15 +344,10 @@ def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec
     wall, cpu, pad, steps = (per_step(k) for k in ("rollout_generate_s", "rollout_generate_cpu_s",
                                                     "rollout_throttle_s", "rollout_generate_steps"))  # fmt: skip
     cluster = cm.cluster_from_dict(spec, "cluster").with_busy_devices(ev.busy_devices, ev.decode_contention)
-    machine = [m.index for m in cluster.machines for _ in range(m.gpus)]
     rounds = [replica.cost.round_s for replica, _ in ev.rollout.replicas]
-    # the round's CPU work: the round at the bandwidth fraction and core share, less its decode contention (wall)
-    priced = [
-        replica.cost.round_s
-        * min(cluster.speed(machine[g], "bandwidth", "rollout") for g in ids)
-        / cluster.decode_contention.get(replica.gpu_type, 1.0)
-        for replica, ids in ev.rollout.replicas
-    ]
+    # the round's CPU work: the round at the speed it was priced at (Cluster.decode_speed: the bandwidth fraction,
+    # less the decode contention, which is wall time)
+    priced = [replica.cost.round_s * cluster.decode_speed(replica.gpu_type) for replica, _ in ev.rollout.replicas]
     return {
         "wall_s": wall,
         "cpu_s": cpu,
