@@ -72,6 +72,10 @@ class RolloutConfig:
     kv_seq_tokens: int = 0
     interrupt_mode: str = "recompute"  # recompute (exact, AReaL) | keep (reuse stale KV cache)
     compile_decode: str = "auto"  # auto (CUDA graphs on a GPU) | always | never
+    # new requests' prompt rows a compiled decode step carries, packed (static shapes: every such step pays for all
+    # of them); longer prompts run as separate prefill forwards, as all do at 0. An eager step carries any chunk.
+    # 256: a GSM8K prompt under a chat template is ~100-250 tokens, and a GRPO group computes its prompt once.
+    prefill_ride_tokens: int = 256
     flash_attn: str = "never"  # auto (on a GPU when flash-attn is installed) | always | never;
     # opt-in: no GPU we had could install flash-attn, so it is untested
     max_queued_groups: int = 16  # groups granted to one rollout rank but not yet finished
@@ -308,6 +312,10 @@ def validate(cfg: Config) -> None:
         (cfg.rollout.interrupt_mode in ("recompute", "keep"), "rollout.interrupt_mode must be recompute|keep"),
         (cfg.rollout.compile_decode in ("auto", "always", "never"), "rollout.compile_decode must be auto|always|never"),
         (cfg.rollout.flash_attn in ("auto", "always", "never"), "rollout.flash_attn must be auto|always|never"),
+        (
+            cfg.rollout.prefill_ride_tokens >= 0,
+            "rollout.prefill_ride_tokens must be >= 0 (0: separate prefill forwards)",
+        ),
         (cfg.data.on_bad_row in ("skip", "fail"), "data.on_bad_row must be skip|fail"),
         (cfg.logging.wandb in ("offline", "online", "disabled"), "logging.wandb must be offline|online|disabled"),
         (cfg.train.ppo_minibatches >= 1, "train.ppo_minibatches must be >= 1"),
@@ -387,6 +395,7 @@ RESUMABLE_KEYS = {
     "rollout.kv_cache_tokens",
     "rollout.kv_block_size",
     "rollout.kv_seq_tokens",
+    "rollout.prefill_ride_tokens",  # scheduling only, like the pool's size
     *MOVED,  # a checkpoint written before the move holds them under plan.*
     *MOVED.values(),
 }

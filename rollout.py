@@ -84,13 +84,14 @@ import weakref
 from collections import deque
 from collections.abc import Callable, Hashable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
 from buffer import Trajectory
-from config import ConfigError
+from config import ConfigError, RolloutConfig
 from emulation import Throttle
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
@@ -262,7 +263,14 @@ class RolloutWorker:
         self.encoded: dict[tuple[str, int], list[int]] = {}
         tp = 1 if replica is None else len(replica.ranks)
         kv = kv_options(r)
-        self.gpu_options = gpu_options(device, r.compile_decode, r.flash_attn, tp=tp, kv_block_size=r.kv_block_size)
+        self.gpu_options = gpu_options(
+            device,
+            r.compile_decode,
+            r.flash_attn,
+            tp=tp,
+            kv_block_size=r.kv_block_size,
+            ride_tokens=r.prefill_ride_tokens,
+        )
         if replica is not None:
             self.gpu_options["tp_group"] = replica.group
         self.gen = Generator(
@@ -739,21 +747,30 @@ def _compiled_flex():
 
 SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")
 LM_HEAD_BLOCK = 1024  # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
+PACKED_RIDE_TOKENS = RolloutConfig.prefill_ride_tokens  # packed prefill rows a compiled decode step carries
 
 
 def gpu_options(
-    device: torch.device, compile_decode: str = "auto", flash_attn: str = "never", tp: int = 1, kv_block_size: int = 16
+    device: torch.device,
+    compile_decode: str = "auto",
+    flash_attn: str = "never",
+    tp: int = 1,
+    kv_block_size: int = 16,
+    ride_tokens: int = PACKED_RIDE_TOKENS,
 ) -> dict:
     """Generator keyword arguments from "auto" | "always" | "never" (not on/off: YAML reads those as booleans).
     auto compiles the decode step into CUDA graphs on a GPU (launch-bound eager) but not on CPU (the static step
     is slower there) nor under tensor parallelism (tp > 1: the step's collectives are not captured), and uses
     flash-attn on a GPU when installed and the KV blocks are a multiple of 256 tokens, which its paged kernel needs
-    (opt-in: untested). Numbers: exp/GENERATOR.md."""
+    (opt-in: untested). A compiled step carries up to ride_tokens packed prefill rows; an eager one the chunk as it
+    is. Numbers: exp/GENERATOR.md."""
     on_gpu = device.type == "cuda"
     flash_ok = on_gpu and flash_attn_with_kvcache is not None and kv_block_size % 256 == 0
+    compiled = compile_decode == "always" or compile_decode == "auto" and on_gpu and tp == 1
     return dict(
-        compile_decode=compile_decode == "always" or compile_decode == "auto" and on_gpu and tp == 1,
+        compile_decode=compiled,
         use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok,
+        ride_tokens=ride_tokens if compiled else None,
     )
 
 
@@ -799,6 +816,7 @@ class GeneratorStats:
     recompute_tokens: int = 0  # the part of prefill_tokens caused by weight updates
     prefill_tokens_shared: int = 0  # prompt tokens whose K/V were copied from a slot with the same prompt
     prefill_forwards: int = 0  # prefill-only forward passes (the last chunk of a step rides in its decode forward)
+    prefill_rides: int = 0  # decode forwards that carried a chunk's prefill rows
     generated_tokens: int = 0
     weight_updates: int = 0
     preemptions: int = 0  # requests sent back to the queue for lack of KV blocks (recomputed on readmission)
@@ -849,11 +867,12 @@ class _LaunchedStep:
     version: int  # the weights that sampled it
 
 
-@dataclass
-class _PrefillChunk:
-    tokens: torch.Tensor  # [n, length] tokens[:-1] of n requests, right-padded
+class _PrefillChunk(NamedTuple):  # a tuple of tensors: what torch.compile takes as an input without guarding on it
+    tokens: torch.Tensor  # [n, length] tokens[:-1] of n requests, right-padded; packed: [rows] one after another
     write_rows: torch.Tensor  # rows of a pool layer's flat [kv_heads * pool rows, D] view ...
-    read_rows: torch.Tensor  # ... that receive these rows of the chunk's k/v ([n * length * kv_heads, D])
+    read_rows: torch.Tensor  # ... that receive these rows of the chunk's k/v ([rows * kv_heads, D])
+    positions: torch.Tensor | None = None  # packed: [rows] each row's position in its sequence
+    slots: torch.Tensor | None = None  # packed: [rows] the slot whose block table each row's attention reads
 
 
 # ----------------------------------------------------------------------------- the paged KV cache
@@ -1054,6 +1073,7 @@ class Generator:
         async_decode: bool | None = None,
         decode_attention: str = "auto",
         decode_buckets: bool | Sequence[int] | None = None,
+        ride_tokens: int | None = None,
     ):
         config = model.config
         model_type = getattr(config, "model_type", None)
@@ -1125,6 +1145,12 @@ class Generator:
         self.windows = layer_windows(config, len(self.layers))
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         self.max_prefill_tokens = max_prefill_tokens
+        # Prefill rows that ride in a decode forward, packed (see _plan_prefill): the compiled step's static shapes
+        # cannot take the right-padded chunk of any size that rides in an eager step, so there a chunk of up to
+        # ride_tokens rows rides, padded to that many; 0: under compile_decode every chunk is a prefill-only forward
+        if ride_tokens is not None and ride_tokens < 0:
+            raise ValueError(f"ride_tokens must be >= 0 (0: no packed prefill rows), got {ride_tokens}")
+        self.ride_tokens = (PACKED_RIDE_TOKENS if compile_decode else 0) if ride_tokens is None else ride_tokens
         self.interrupt_mode, self.use_flash_attn = interrupt_mode, use_flash_attn
         self.version = version
         if weight_layout not in ("auto", "row", "input"):
@@ -1210,7 +1236,10 @@ class Generator:
         self._logical_host = (
             self._logical if self.device.type == "cpu" else torch.zeros_like(self._logical, device="cpu")
         )
-        self._flex_positions = torch.zeros(self.max_batch_size, dtype=torch.long, device=self.device)
+        rows = self.max_batch_size + self.ride_tokens  # decode rows, then packed prefill rows
+        self._flex_positions = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._flex_slots = torch.zeros(rows, dtype=torch.long, device=self.device)
+        self._row_ids = torch.arange(rows, device=self.device)  # decode row i reads slot i's blocks
         self._flex_mask_mods = {w: self._flex_mask_mod(w) for w in set(self.windows)}
 
         self.waiting: deque[_Request] = deque()
@@ -1256,6 +1285,8 @@ class Generator:
                     self.block_table,
                     self._logical,
                     self._flex_positions,
+                    self._flex_slots,
+                    self._row_ids,
                     *(self.rope_table or ()),
                 ]:
                     if t is not None:
@@ -1379,7 +1410,9 @@ class Generator:
         current weights) is copied now, block by block; that of a prompt computed in this step becomes an extra
         destination of that computation's rows (prefill is most of the work for short answers). The rest is computed
         in right-padded chunks of requests sorted by length, each within the prefill token budget (count x
-        longest). Newly allocated blocks are zeroed first, so no stale K/V (not even a non-finite one) is read."""
+        longest). With ride_tokens, the shortest requests whose rows (and their sharers' extra rows) fit it go, first,
+        into one packed chunk, returned last, to ride in the decode forward. Newly allocated blocks are zeroed first,
+        so no stale K/V (not even a non-finite one) is read."""
         self._zero_fresh_blocks()
         reqs = [r for r in reqs if r.num_tokens > 1]
         for r in reqs:
@@ -1402,6 +1435,17 @@ class Generator:
             src, dst = (self._to_device(torch.tensor(c)) for c in zip(*copies))
             self.kv_pool.storage.index_copy_(3, dst, self.kv_pool.storage.index_select(3, src))
         compute.sort(key=lambda r: r.num_tokens)
+        riders, rest, rows, writes = [], [], 0, 0
+        for r in compute if self.ride_tokens else []:
+            n = len(r.prompt_ids) + len(r.token_ids) - 1
+            extra = len(sharers.get(id(r), [])) * (n % self.block_size)  # each sharer's rows of the last prompt block
+            if rows + n <= self.ride_tokens and writes + n + extra <= 2 * self.ride_tokens:
+                riders.append(r)
+                rows, writes = rows + n, writes + n + extra
+            else:
+                rest.append(r)
+        if riders:
+            compute = rest
         chunks = []
         while compute:
             n = 1
@@ -1409,6 +1453,8 @@ class Generator:
                 n += 1
             chunks.append(self._prefill_chunk(compute[:n], sharers))
             compute = compute[n:]
+        if riders:
+            chunks.append(self._packed_chunk(riders, sharers))
         return chunks
 
     def _token_rows(self, blocks: list[int], start: int, end: int) -> torch.Tensor:
@@ -1416,26 +1462,59 @@ class Generator:
         pos = torch.arange(start, end)
         return torch.tensor(blocks)[pos // self.block_size] * self.block_size + pos % self.block_size
 
+    def _kv_writes(
+        self, reqs: list[_Request], firsts: list[int], sharers: dict[int, list[_Request]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Where a chunk's K/V rows go: (pool rows of a layer's flat view, rows of the chunk's k/v [rows * kv_heads,
+        D] written there), for request i's tokens[:-1] computed at chunk rows firsts[i]..., and for each request
+        sharing its prompt (holding the full prompt blocks already) the rest of the prompt."""
+        heads, head_rows = torch.arange(self.n_kv_heads), self._head_rows_host  # no device-to-host copy (a sync)
+        dst, src = [], []  # pool rows (kv head, block, offset) <- rows (chunk row, kv head) of k
+        for r, first in zip(reqs, firsts):
+            n = len(r.prompt_ids) + len(r.token_ids) - 1
+            rows = (first + torch.arange(n).unsqueeze(1)) * self.n_kv_heads + heads  # [n, kv_heads]
+            dst.append(self._token_rows(r.blocks, 0, n).unsqueeze(1) + head_rows)
+            src.append(rows)
+            for sharer in sharers.get(id(r), []):
+                start = n // self.block_size * self.block_size
+                dst.append(self._token_rows(sharer.blocks, start, n).unsqueeze(1) + head_rows)
+                src.append(rows[start:])
+        return torch.cat(dst).view(-1), torch.cat(src).view(-1)
+
     def _prefill_chunk(self, reqs: list[_Request], sharers: dict[int, list[_Request]]) -> _PrefillChunk:
         """Right-padded tokens[:-1] of `reqs` and where each real row's K/V go in a pool layer's flat view."""
         seqs = [r.all_tokens[:-1] for r in reqs]
         length = max(len(s) for s in seqs)
         tokens = torch.zeros(len(seqs), length, dtype=torch.long)
-        heads, head_rows = torch.arange(self.n_kv_heads), self._head_rows_host  # no device-to-host copy (a sync)
-        dst, src = [], []  # pool rows (kv head, block, offset) <- rows (request, position, kv head) of k
-        for i, (r, s) in enumerate(zip(reqs, seqs)):
+        for i, s in enumerate(seqs):
             tokens[i, : len(s)] = torch.tensor(s)
-            pos = torch.arange(len(s)).unsqueeze(1)  # [len, 1]
-            dst.append(self._token_rows(r.blocks, 0, len(s)).unsqueeze(1) + head_rows)
-            src.append((i * length + pos) * self.n_kv_heads + heads)
-            for sharer in sharers.get(id(r), []):  # it holds the full prompt blocks already: the rest of the prompt
-                start = len(s) // self.block_size * self.block_size
-                dst.append(self._token_rows(sharer.blocks, start, len(s)).unsqueeze(1) + head_rows)
-                src.append((i * length + pos[start:]) * self.n_kv_heads + heads)
+        write_rows, read_rows = self._kv_writes(reqs, [i * length for i in range(len(reqs))], sharers)
         self.stats.prefill_tokens += sum(len(s) for s in seqs)
-        return _PrefillChunk(
-            self._to_device(tokens), self._to_device(torch.cat(dst).view(-1)), self._to_device(torch.cat(src).view(-1))
-        )
+        return _PrefillChunk(self._to_device(tokens), self._to_device(write_rows), self._to_device(read_rows))
+
+    def _packed_chunk(self, reqs: list[_Request], sharers: dict[int, list[_Request]]) -> _PrefillChunk:
+        """tokens[:-1] of `reqs` one after another, each row with its position and slot: its attention reads its
+        sequence's blocks in the pool, as a decode row does, so no sequence is padded. Under compile_decode the
+        chunk is padded to static shapes: ride_tokens rows (padding: token 0 at position 0 of slot 0, which reads
+        one key and is never used) and 2 x ride_tokens rows of K/V writes (padding: into the null block)."""
+        tokens, positions, slots, firsts = [], [], [], []
+        for r in reqs:
+            s = r.all_tokens[:-1]
+            firsts.append(len(tokens))
+            tokens += s
+            positions += range(len(s))
+            slots += [r.slot] * len(s)
+        write_rows, read_rows = self._kv_writes(reqs, firsts, sharers)
+        self.stats.prefill_tokens += len(tokens)
+        if self.static_decode:
+            pad = self.ride_tokens - len(tokens)
+            tokens, positions, slots = tokens + [0] * pad, positions + [0] * pad, slots + [0] * pad
+            pad = 2 * self.ride_tokens * self.n_kv_heads - write_rows.numel()
+            write_rows = torch.cat([write_rows, torch.zeros(pad, dtype=write_rows.dtype)])  # row 0: the null block's
+            read_rows = torch.cat([read_rows, torch.zeros(pad, dtype=read_rows.dtype)])
+        rows = self._to_device(torch.tensor([tokens, positions, slots]))
+        writes = self._to_device(torch.stack([write_rows, read_rows]))
+        return _PrefillChunk(rows[0], writes[0], writes[1], rows[1], rows[2])
 
     def _forward_eager(
         self,
@@ -1451,8 +1530,9 @@ class Generator:
         tokens/positions [B]: the input token of each slot and its position; rows [B]: where its K/V go in a head's
         plane of the pool (block * block_size + offset; idle slots: the null block). span: how many positions
         (whole blocks, >= max(positions) + 1) of each slot's block table decode attention reads.
-        Prefill rows are appended after the decode rows; they attend among themselves (causal SDPA over the
-        padded chunk) while decode rows read the pool, which holds every row's K/V of this layer by then.
+        Prefill rows are appended after the decode rows. A right-padded chunk's rows attend among themselves
+        (causal SDPA over the padded chunk); a packed chunk's rows read the pool as decode rows do, each its own
+        sequence's blocks up to its position. Either way the pool holds every row's K/V of this layer by then.
         Riding along costs a fraction of a separate forward: at these sizes a GEMM's cost is mostly the
         pass over the weights (tiny model, 17 GEMMs: 60 rows cost 1.26x 32 rows; 28 rows alone cost as much).
         """
@@ -1461,20 +1541,29 @@ class Generator:
         write_rows = (rows.unsqueeze(1) + self.head_rows).view(-1)
         read_rows = None  # rows of k/v to write (None: all, in order)
         rows_pos = positions
-        if chunk is not None:
+        packed = chunk is not None and chunk.slots is not None
+        readers = None  # the slot whose blocks each row of pool attention reads (None: row i reads slot i's)
+        if packed:
+            tokens = torch.cat([tokens, chunk.tokens])
+            rows_pos = torch.cat([positions, chunk.positions])
+            readers = torch.cat([self._row_ids[:b], chunk.slots])
+        elif chunk is not None:
             n, length = chunk.tokens.shape
             tokens = torch.cat([tokens, chunk.tokens.view(-1)])
             rows_pos = torch.cat([positions, self.cache_positions[:length].repeat(n)])
+        if chunk is not None:
             write_rows = torch.cat([write_rows, chunk.write_rows])
             read_rows = torch.cat([torch.arange(b * kv, device=self.device), chunk.read_rows + b * kv])
         x = self._embed(tokens.unsqueeze(1))  # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
+        attend_pos = rows_pos if packed else positions  # the rows that read the pool
+        tables = self.block_table[:b] if readers is None else self.block_table.index_select(0, readers)
         masks, live = {}, None
         if b and self.decode_attention == "flex":
-            masks = {window: self._flex_block_mask(positions, window) for window in set(self.windows)}
+            masks = {window: self._flex_block_mask(attend_pos, readers, tables, window) for window in set(self.windows)}
         elif b and not self.use_flash_attn:
-            masks = {window: self._decode_mask(positions, span, window) for window in set(self.windows)}
-            live = self.block_table[:b, : span // self.block_size].reshape(-1)  # the live blocks, slot-major
+            masks = {window: self._decode_mask(attend_pos, span, window) for window in set(self.windows)}
+            live = tables[:, : span // self.block_size].reshape(-1)  # the live blocks, row-major
         for i in range(len(self.layers)):
             q, k, v = self._qkv(i, x, cos, sin)  # [rows, heads, 1, D]
             window = self.windows[i]
@@ -1482,13 +1571,18 @@ class Generator:
             for pool, new in ((self._pool_layer(0, i), k), (self._pool_layer(1, i), v)):
                 new = new.reshape(-1, self.head_dim)
                 pool.view(-1, self.head_dim).index_copy_(0, write_rows, new if read_rows is None else new[read_rows])
-            if i == len(self.layers) - 1 and chunk is not None:  # only the prefill rows' cache is wanted
-                if b == 0:
-                    return None
+            last = i == len(self.layers) - 1 and chunk is not None  # only the prefill rows' cache is wanted
+            if last and b == 0:
+                return None
+            if packed:  # one attention call for all rows (one block mask); the last layer keeps the decode rows'
+                out = self._decode_attention(i, q, attend_pos, span, window, masks.get(window), live, tables)
+                x = self._finish_layer(i, x[:b], out[:b]) if last else self._finish_layer(i, x, out)
+                continue
+            if last:
                 x, q, chunk = x[:b], q[:b], None
             outs = []
             if b:
-                outs.append(self._decode_attention(i, q[:b], positions, span, window, masks.get(window), live))
+                outs.append(self._decode_attention(i, q[:b], positions, span, window, masks.get(window), live, tables))
             if chunk is not None:
                 outs.append(self._prefill_attention(q[b:], k[b:], v[b:], n, length, window))
             x = self._finish_layer(i, x, outs[0] if len(outs) == 1 else torch.cat(outs))
@@ -1513,30 +1607,34 @@ class Generator:
 
     def _flex_mask_mod(self, window: int | None):
         """FlexAttention's mask over the pool layer viewed as one sequence of (blocks + 1) * block_size rows: row
-        kv_idx of block kv_idx // bs is key position logical * bs + kv_idx % bs of slot b if b's table holds that
-        block at that logical index; it is read up to b's position (within the window). It reads the generator's
-        persistent tables (fixed addresses, so a CUDA graph of the step reads their current values)."""
-        table, logical, positions, bs = self.block_table, self._logical, self._flex_positions, self.block_size
+        kv_idx of block kv_idx // bs is key position logical * bs + kv_idx % bs of row b's slot if that slot's table
+        holds the block at that logical index; it is read up to b's position (within the window). It reads the
+        generator's persistent tables (fixed addresses, so a CUDA graph of the step reads their current values)."""
+        table, logical, bs = self.block_table, self._logical, self.block_size
+        positions, slots = self._flex_positions, self._flex_slots
 
         def mask_mod(b, h, q_idx, kv_idx):
             block = kv_idx // bs
             index = logical[block]
             kpos = index * bs + kv_idx % bs
-            keep = (table[b, index] == block) & (kpos <= positions[b])
+            keep = (table[slots[b], index] == block) & (kpos <= positions[b])
             return keep if window is None else keep & (kpos > positions[b] - window)
 
         return mask_mod
 
-    def _flex_block_mask(self, positions: torch.Tensor, window: int | None):
-        """The block mask of one decode step: slot b (its query rows, one per query head of a KV head) visits the
-        first positions[b] // bs + 1 blocks of its block table, in place in the pool (the kernel's KV tiles are the
-        pool's blocks), and the mask_mod cuts the last one at its position. Nothing is gathered; a free block is
-        never visited."""
+    def _flex_block_mask(
+        self, positions: torch.Tensor, readers: torch.Tensor | None, tables: torch.Tensor, window: int | None
+    ):
+        """The block mask of one decode step: row b (its query rows, one per query head of a KV head) visits the
+        first positions[b] // bs + 1 blocks of its slot's block table (`tables`: row b's), in place in the pool
+        (the kernel's KV tiles are the pool's blocks), and the mask_mod cuts the last one at its position. Nothing
+        is gathered; a free block is never visited."""
         b, bs = positions.shape[0], self.block_size
         self._flex_positions[:b].copy_(positions)
+        self._flex_slots[:b].copy_(self._row_ids[:b] if readers is None else readers)
         return BlockMask.from_kv_blocks(
             (positions // bs + 1).to(torch.int32).view(b, 1, 1),
-            self.block_table[:b].view(b, 1, 1, -1),
+            tables.view(b, 1, 1, -1),
             BLOCK_SIZE=(128, bs),
             mask_mod=self._flex_mask_mods[window],
             seq_lengths=(self.n_heads // self.n_kv_heads, (self.kv_pool.num_blocks + 1) * bs),
@@ -1571,8 +1669,10 @@ class Generator:
         window: int | None,
         mask: torch.Tensor | None,
         live: torch.Tensor | None,
+        tables: torch.Tensor,
     ) -> torch.Tensor:
-        """Attention of one query row per slot over its live blocks; returns [B, 1, heads * D]."""
+        """Attention of each query row over its slot's live blocks (`tables`: row b's block table); returns
+        [B, 1, heads * D]."""
         b = q.shape[0]
         kv, group = self.n_kv_heads, self.n_heads // self.n_kv_heads
         if self.use_flash_attn:  # the pool as flash-attn's paged layout [blocks, block_size, kv_heads, D] (a view)
@@ -1581,7 +1681,7 @@ class Generator:
                 self._pool_layer(0, i).permute(1, 2, 0, 3),
                 self._pool_layer(1, i).permute(1, 2, 0, 3),
                 cache_seqlens=(positions + 1).to(torch.int32),
-                block_table=self.block_table[:b],
+                block_table=tables,
                 softmax_scale=self.scale,
                 causal=True,
                 window_size=(-1, -1) if window is None else (window - 1, 0),
@@ -1693,10 +1793,11 @@ class Generator:
             for r in to_prefill:
                 r.needs_prefill = False
             self._sync_table()
-            # the last chunk rides in the decode forward; earlier ones (over the token budget), and all of
-            # them under a compiled static-shape decode step, run as prefill-only forwards
-            if chunks and not self.static_decode:
+            # the last chunk rides in the decode forward; earlier ones (over the token budget) run as prefill-only
+            # forwards, and under a compiled static-shape decode step all but a packed one (ride_tokens)
+            if chunks and (chunks[-1].slots is not None or not self.static_decode):
                 riding = chunks.pop()
+                self.stats.prefill_rides += 1
             no_rows = torch.zeros(0, dtype=torch.long, device=self.device)
             for chunk in chunks:
                 self.stats.prefill_forwards += 1
@@ -1717,6 +1818,8 @@ class Generator:
         counters are known on the host (every running row adds one token) and go over in one copy."""
         last = max(r.slot for r in running) + 1
         width = next(w for w in self.buckets if w >= last) if self.decode_buckets else last
+        if riding is not None and self.static_decode:  # one more graph, the widest bucket's: not one per bucket
+            width = self.buckets[-1]
         self.decode_width = width
         # idle slots decode a dummy token at position 0, written into the null block
         cols = [[0] * width for _ in range(5)]  # input token, position, pool row, hashed seed, token counter

@@ -68,7 +68,7 @@ from transformers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout import Generator, KVPool, SamplingParams, gpu_options  # noqa: E402
+from rollout import PACKED_RIDE_TOKENS, Generator, KVPool, SamplingParams, gpu_options  # noqa: E402
 
 TINY_DIR = ROOT / "exp" / "tiny-model"
 RANDOM_CONFIGS = {  # random-init stand-ins when (or besides) the shipped tiny model
@@ -193,12 +193,14 @@ def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
 
 def breakdown(run: dict, seconds: float) -> str:
     """Where the last run's wall time went, as the host saw it: the prefill phase (planning, K/V copies and the
-    prefill-only forwards, eager under a compiled decode step) and the decode phase (launching the step, which on a
+    prefill-only forwards: under a compiled decode step, eager, those the step's packed rows could not carry) and
+    the decode phase (launching the step, which on a
     GPU returns at once, and waiting for the step before it); the rest is the caller's. And dynamo's graph count:
     one that grew during a timed run is a recompile inside it."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return (
-        f"{run['decode_steps']} steps, {run['prefill_forwards']} prefill-only forwards; host: prefill phase "
+        f"{run['decode_steps']} steps ({run['prefill_rides']} carrying prefill rows), {run['prefill_forwards']} "
+        f"prefill-only forwards; host: prefill phase "
         f"{run['prefill_seconds']:.2f} s, decode phase {run['decode_seconds']:.2f} s, other "
         f"{seconds - run['prefill_seconds'] - run['decode_seconds']:.2f} s; dynamo graphs so far {graphs}"
     )
@@ -369,6 +371,12 @@ def main() -> None:
     ap.add_argument("--async-decode", default="auto", choices=["auto", "always", "never"], help="auto: on a GPU")
     ap.add_argument("--buckets", default="auto", choices=["auto", "always", "never"], help="auto: on a GPU")
     ap.add_argument(
+        "--ride-tokens",
+        type=int,
+        default=PACKED_RIDE_TOKENS,
+        help="prefill rows a compiled decode step carries, packed (0: prefill-only forwards, eager)",
+    )
+    ap.add_argument(
         "--bucket-widths",
         default="",
         help="decode batch widths to pad to, e.g. 1,16,64,256 (default: powers of two); each is one compile on a GPU",
@@ -425,7 +433,7 @@ def main() -> None:
     hbm_peak = args.hbm_peak_gbps or (H200_HBM_GBPS if device.type == "cuda" else peak_gbs)
     auto = {"auto": None, "always": True, "never": False}
     ours_options = dict(
-        **gpu_options(device, args.compile, args.flash_attn),
+        **gpu_options(device, args.compile, args.flash_attn, ride_tokens=args.ride_tokens),
         async_decode=auto[args.async_decode],
         decode_buckets=[int(w) for w in args.bucket_widths.split(",")] if args.bucket_widths else auto[args.buckets],
         decode_attention=args.decode_attention,

@@ -42,6 +42,7 @@ def test_unknown_key_names_the_closest(arg, needle):
         ("staleness.max_staleness=-1", "max_staleness must be >= 0"),
         ("rollout.compile_decode=sometimes", "rollout.compile_decode must be auto\\|always\\|never"),
         ("rollout.flash_attn=maybe", "rollout.flash_attn must be auto\\|always\\|never"),
+        ("rollout.prefill_ride_tokens=-1", "rollout.prefill_ride_tokens must be >= 0"),
         ("train.behav_correction=clip", "train.behav_correction must be mask\\|tis"),
         ("train.behav_correction=tis", "truncates at train.behav_imp_weight_cap"),  # with a cap of 0 below
         ("train.behav_correction_bounds=[1.5,2.0]", "behav_correction_bounds must be \\[low, high\\]"),

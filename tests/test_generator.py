@@ -417,7 +417,7 @@ def test_weight_swap_mid_generation_is_exact_under_new_policy(kind):
 
 def test_compiled_decode_step_matches_hf_and_follows_weight_swaps():
     """compile_decode=True: the decode step under torch.compile (on GPU as CUDA graphs: tests/test_gpu.py), with
-    static shapes -- every slot, the whole cache length -- and prefill as separate eager forwards. Greedy equals
+    static shapes -- every slot, the whole cache length -- and prefill rows packed into it. Greedy equals
     HF generate with slot refills, log-probs match the full forward, and update_weights mid-generation reaches
     the compiled step: later tokens are exactly the new weights' and carry the new version."""
     model = make_model("mistral", seed=8)  # sliding window: the static step's masks cover it too
@@ -443,6 +443,77 @@ def test_compiled_decode_step_matches_hf_and_follows_weight_swaps():
         assert max([abs(a - b) for a, b in zip(ref[cut:], out.logprobs[cut:])], default=0.0) < 1e-4
         swapped += len(out.token_ids) - cut
     assert swapped > 0
+
+
+def test_compiled_step_carries_packed_prefill_rows_with_the_same_outputs():
+    """compile_decode: new requests' prefill rows ride in the compiled decode step, packed (ride_tokens rows at
+    static shapes, each reading its own sequence's blocks in the pool), in the widest bucket's graph; a chunk that
+    does not fit runs as a prefill-only forward first. GRPO groups (prompts shared, the partial last prompt block
+    written to every sharer) with blocks of 4, Mistral's window of 5 shorter than the prompts, a weight swap
+    (recompute) and a pool that preempts: whatever the budget -- 0 (every chunk a prefill-only forward), 6 (some
+    ride, some do not), the default -- the tokens equal the eager generator's, log-probs within 1e-5, and a full
+    forward's within 1e-4."""
+    prompts, params = mixed_requests(stop=None)
+    prompts = prompts + [[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]] * 3  # longer than a budget of 6
+    params = params + [SamplingParams(temperature=1.0, max_new_tokens=9, seed=90 + i) for i in range(3)]
+    new_weights = perturbed_state_dict(make_model("mistral", seed=61), seed=62)
+    pool = dict(kv_block_size=4, kv_cache_tokens=40, kv_seq_tokens=8)
+    ref_gen = Generator(make_model("mistral", seed=61), max_batch_size=4, max_seq_len=40, **pool)
+    ref = run_streaming(ref_gen, prompts, params, swap=new_weights)
+    stats = {}
+    for budget in (0, 6, None):
+        model = make_model("mistral", seed=61)
+        gen = Generator(model, max_batch_size=4, max_seq_len=40, compile_decode=True, ride_tokens=budget, **pool)
+        for i, (p, sp) in enumerate(zip(prompts, params)):
+            gen.add_request(i, p, sp)
+        outs, calls, ride_widths = {}, 0, set()
+        while gen.num_unfinished():
+            rides = gen.stats.prefill_rides
+            outs.update((o.request_id, o) for o in gen.step())
+            if gen.stats.prefill_rides > rides:
+                ride_widths.add(gen.decode_width)
+            calls += 1
+            if calls == 4:  # as run_streaming swaps the reference's weights
+                gen.update_weights(new_weights, version=1)
+        stats[budget] = dataclasses.replace(gen.stats)
+        assert ride_widths <= {4} and pool_is_empty(gen)  # the widest bucket's graph, whatever the running slots
+        for i in range(len(prompts)):
+            assert outs[i].token_ids == ref[i].token_ids and outs[i].versions == ref[i].versions
+            assert max(abs(a - b) for a, b in zip(outs[i].logprobs, ref[i].logprobs)) < 1e-5
+    assert stats[0].prefill_rides == 0 and stats[0].prefill_forwards > 0
+    assert stats[6].prefill_rides > 0 and stats[6].prefill_forwards > 0
+    assert stats[None].prefill_rides > 0 and stats[None].prefill_forwards < stats[0].prefill_forwards
+    assert stats[None].prefill_tokens_shared > 0 and stats[None].preemptions > 0 and stats[None].recompute_tokens > 0
+    for i, prompt in enumerate(prompts):  # the model holds the new weights: tokens sampled after the swap
+        cut = ref[i].versions.index(1) if 1 in ref[i].versions else len(ref[i].token_ids)
+        full = full_forward_logprobs(model, prompt, ref[i].token_ids, temperature=params[i].temperature or 1.0)
+        assert max([abs(a - b) for a, b in zip(full[cut:], outs[i].logprobs[cut:])], default=0.0) < 1e-4
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
+@pytest.mark.parametrize("attention", ["gather", "flex"])
+def test_packed_prefill_rows_equal_the_padded_chunk_in_the_eager_step(kind, attention):
+    """ride_tokens in an eager step: the packed chunk (rows of several prompts one after another, each reading its
+    sequence's blocks in the pool, through the gathered matmuls or FlexAttention's block mask) gives the tokens of
+    the right-padded chunk that rides by default, log-probs within 1e-5, with GRPO sharing and a pool that
+    preempts; with a budget of 5 the longer prompts do not fit (in an eager step the last chunk rides padded, as
+    it does without ride_tokens)."""
+    model = make_model(kind, seed=63)
+    prompts, params = mixed_requests(stop=None)
+    params = [dataclasses.replace(p, max_new_tokens=p.max_new_tokens + 10) for p in params]  # outgrow the pool
+    pool = dict(kv_block_size=4, kv_cache_tokens=48, kv_seq_tokens=12, decode_attention=attention)
+    ref = run_streaming(Generator(model, max_batch_size=4, max_seq_len=40, **pool), prompts, params)
+    for budget in (5, 64):
+        gen = Generator(model, max_batch_size=4, max_seq_len=40, ride_tokens=budget, **pool)
+        outs = run_streaming(gen, prompts, params)
+        assert gen.stats.prefill_rides > 0
+        assert gen.stats.prefill_tokens_shared > 0 and gen.stats.preemptions > 0 and pool_is_empty(gen)
+        for i in range(len(prompts)):
+            assert outs[i].token_ids == ref[i].token_ids
+            assert max(abs(a - b) for a, b in zip(outs[i].logprobs, ref[i].logprobs)) < 1e-5
+    with pytest.raises(ValueError, match="ride_tokens must be >= 0"):
+        Generator(model, max_batch_size=4, max_seq_len=40, ride_tokens=-1)
 
 
 @pytest.mark.parametrize("layout", ["row", "input"])

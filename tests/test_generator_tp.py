@@ -252,6 +252,8 @@ def test_gpu_options_never_compiles_under_tp():
     assert gpu_options(cuda)["compile_decode"] and not gpu_options(cuda, tp=2)["compile_decode"]
     assert not gpu_options(cpu, tp=2)["compile_decode"]
     assert gpu_options(cuda, compile_decode="always", tp=2)["compile_decode"]  # asked for: the Generator refuses
+    # a compiled step carries packed prefill rows (ride_tokens); an eager one leaves the Generator's default
+    assert gpu_options(cuda, ride_tokens=64)["ride_tokens"] == 64 and gpu_options(cpu)["ride_tokens"] is None
 
 
 def test_divisibility_check_is_shared_and_only_the_trainer_refuses_sliding_windows():

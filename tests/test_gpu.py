@@ -252,6 +252,7 @@ def test_flex_async_bucketed_decode_on_cuda_matches_the_gathered_sync_path(compi
         full = full_forward_logprobs(model, prompt, ours[i].token_ids, temperature=params[i].temperature or 1.0)
         assert max(abs(a - b) for a, b in zip(ours[i].logprobs, full)) < 1e-4
     assert shipped.stats.preemptions > 0 and pool_is_empty(shipped)
+    assert not compile_decode or shipped.stats.prefill_rides > 0  # packed prefill rows in the CUDA graphs
     # blocks Triton cannot tile: flex is refused when asked for, and auto takes the gathered path
     with pytest.raises(ValueError, match="power of two >= 16"):
         Generator(model, max_batch_size=4, max_seq_len=64, decode_attention="flex", kv_block_size=4)
