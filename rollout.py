@@ -1240,6 +1240,7 @@ class Generator:
         self._flex_positions = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._flex_slots = torch.zeros(rows, dtype=torch.long, device=self.device)
         self._row_ids = torch.arange(rows, device=self.device)  # decode row i reads slot i's blocks
+        self._pool_index = torch.arange(max(2, len(self.layers)), device=self.device)  # K/V and layer indices
         self._flex_mask_mods = {w: self._flex_mask_mod(w) for w in set(self.windows)}
 
         self.waiting: deque[_Request] = deque()
@@ -1287,6 +1288,7 @@ class Generator:
                     self._flex_positions,
                     self._flex_slots,
                     self._row_ids,
+                    self._pool_index,
                     *(self.rope_table or ()),
                 ]:
                     if t is not None:
@@ -1557,6 +1559,14 @@ class Generator:
         x = self._embed(tokens.unsqueeze(1))  # [rows, 1, H]
         cos, sin = self._cos_sin(x, rows_pos.unsqueeze(1))
         attend_pos = rows_pos if packed else positions  # the rows that read the pool
+        written_at = None
+        if self.static_decode:
+            # Compiled, K/V go in by index_put_ on the pool's own storage, an index per dim, which inductor does in
+            # place. index_copy_ into a layer's view of it was functionalized into a copy of the whole pool per
+            # layer, K and V (a 1 GB pool on CPU: 1.7 s per step): the step's cost grew with the pool, not the batch.
+            plane = (self.kv_pool.num_blocks + 1) * self.block_size
+            head, row = write_rows // plane, write_rows % plane
+            written_at = (head, row // self.block_size, row % self.block_size)
         tables = self.block_table[:b] if readers is None else self.block_table.index_select(0, readers)
         masks, live = {}, None
         if b and self.decode_attention == "flex":
@@ -1567,10 +1577,15 @@ class Generator:
         for i in range(len(self.layers)):
             q, k, v = self._qkv(i, x, cos, sin)  # [rows, heads, 1, D]
             window = self.windows[i]
-            # write every row's K/V first (index_copy_: a third of index_put's time), then attention reads the pool
-            for pool, new in ((self._pool_layer(0, i), k), (self._pool_layer(1, i), v)):
+            # write every row's K/V first (eager, index_copy_: a third of index_put's time), then attention reads the pool
+            for j, new in ((0, k), (1, v)):
                 new = new.reshape(-1, self.head_dim)
-                pool.view(-1, self.head_dim).index_copy_(0, write_rows, new if read_rows is None else new[read_rows])
+                new = new if read_rows is None else new[read_rows]
+                if written_at is None:
+                    self._pool_layer(j, i).view(-1, self.head_dim).index_copy_(0, write_rows, new)
+                else:
+                    at = (self._pool_index[j], self._pool_index[i], *written_at)
+                    self.kv_pool.storage.index_put_(at, new)
             last = i == len(self.layers) - 1 and chunk is not None  # only the prefill rows' cache is wanted
             if last and b == 0:
                 return None

@@ -412,7 +412,12 @@ def main() -> None:
     ap.add_argument("--kv-memory", action="store_true", help="KV-pool bytes vs live tokens per step (ours only)")
     ap.add_argument("--kv-every", type=int, default=20, help="--kv-memory: print every this many steps")
     ap.add_argument("--kv-block-size", type=int, default=16)
-    ap.add_argument("--kv-cache-tokens", type=int, default=0, help="--kv-memory: pool size (0: a static cache's)")
+    ap.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=0,
+        help="our KV pool's size (0: a static cache's); --kv-memory: see above",
+    )
     ap.add_argument("--kv-seq-tokens", type=int, default=0, help="expected K/V tokens per sequence, for the slots")
     args = ap.parse_args()
     unknown = set(args.workloads.split(",")) - {"rl", "rl-tail", "greedy"}
@@ -488,6 +493,7 @@ def main() -> None:
             model,
             max_batch_size=args.slots,
             max_seq_len=max(max(len(p) for p in w[1]) + max(w[2]) for w in workloads),
+            kv_cache_tokens=args.kv_cache_tokens,
             **ours_options,
         )
         for workload, prompts, limits, temperature, wl_stop in workloads:

@@ -490,6 +490,30 @@ def test_compiled_step_carries_packed_prefill_rows_with_the_same_outputs():
         assert max([abs(a - b) for a, b in zip(full[cut:], outs[i].logprobs[cut:])], default=0.0) < 1e-4
 
 
+def test_compiled_step_writes_the_kv_pool_in_place():
+    """The compiled step (decode rows, and packed prefill rows riding in it) writes K/V into the pool's storage in
+    place: the code inductor generates for it takes the pool as an input and never allocates a buffer of its shape.
+    Written by index_copy_ into a layer's view of the storage, it was functionalized into a copy of the whole pool
+    for each layer's K and V, so a step cost as much as copying the pool 2 x layers times (a 1 GB pool: 1.7 s per
+    step on CPU) whatever the batch."""
+    from torch._inductor.utils import run_and_get_code
+
+    model = make_model("mistral", seed=70)
+    gen = Generator(
+        model, max_batch_size=3, max_seq_len=32, compile_decode=True, kv_cache_tokens=100_016, decode_buckets=[3]
+    )  # one decode width: two graphs to compile, with and without prefill rows
+    params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
+    outs, codes = run_and_get_code(lambda: gen.generate(PROMPTS, params))
+    shape = str(tuple(gen.kv_pool.storage.shape)).replace(" ", "")
+    lines = [line.replace(" ", "") for code in codes for line in code.splitlines()]
+    assert gen.stats.prefill_rides > 0 and len(codes) >= 2  # the decode graph and the one carrying prefill rows
+    assert sum(shape in line and "assert_size_stride" in line for line in lines) >= 2  # the pool, an input of each
+    assert not [line for line in lines if shape in line and "empty_strided" in line]
+    for prompt, out in zip(PROMPTS, outs):
+        full = full_forward_logprobs(model, prompt, out.token_ids)
+        assert max(abs(a - b) for a, b in zip(out.logprobs, full)) < 1e-4
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral", "qwen3"])
 @pytest.mark.parametrize("attention", ["gather", "flex"])
