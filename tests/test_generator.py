@@ -496,12 +496,23 @@ def test_compiled_step_writes_the_kv_pool_in_place():
     Written by index_copy_ into a layer's view of the storage, it was functionalized into a copy of the whole pool
     for each layer's K and V, so a step cost as much as copying the pool 2 x layers times (a 1 GB pool: 1.7 s per
     step on CPU) whatever the batch."""
+    check_compiled_step_writes_the_pool_in_place(make_model("mistral", seed=70), {})
+
+
+def check_compiled_step_writes_the_pool_in_place(model, options: dict) -> None:
+    """The assertions of test_compiled_step_writes_the_kv_pool_in_place for a model on any device (tests/test_gpu.py
+    runs them on CUDA, with FlexAttention)."""
     from torch._inductor.utils import run_and_get_code
 
-    model = make_model("mistral", seed=70)
     gen = Generator(
-        model, max_batch_size=3, max_seq_len=32, compile_decode=True, kv_cache_tokens=100_016, decode_buckets=[3]
-    )  # one decode width: two graphs to compile, with and without prefill rows
+        model,
+        max_batch_size=3,
+        max_seq_len=32,
+        compile_decode=True,
+        kv_cache_tokens=100_016,
+        decode_buckets=[3],  # one decode width: two graphs to compile, with and without prefill rows
+        **options,
+    )
     params = SamplingParams(temperature=1.0, max_new_tokens=4, seed=1)
     outs, codes = run_and_get_code(lambda: gen.generate(PROMPTS, params))
     shape = str(tuple(gen.kv_pool.storage.shape)).replace(" ", "")
