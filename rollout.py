@@ -867,7 +867,7 @@ class _LaunchedStep:
     version: int  # the weights that sampled it
 
 
-class _PrefillChunk(NamedTuple):  # a tuple of tensors: what torch.compile takes as an input without guarding on it
+class _PrefillChunk(NamedTuple):  # a named tuple: torch.compile takes its fields as plain tensor inputs
     tokens: torch.Tensor  # [n, length] tokens[:-1] of n requests, right-padded; packed: [rows] one after another
     write_rows: torch.Tensor  # rows of a pool layer's flat [kv_heads * pool rows, D] view ...
     read_rows: torch.Tensor  # ... that receive these rows of the chunk's k/v ([rows * kv_heads, D])

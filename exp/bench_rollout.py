@@ -194,9 +194,8 @@ def run_ours(gen: Generator, prompts, limits, temperature, stop, seed=0):
 def breakdown(run: dict, seconds: float) -> str:
     """Where the last run's wall time went, as the host saw it: the prefill phase (planning, K/V copies and the
     prefill-only forwards: under a compiled decode step, eager, those the step's packed rows could not carry) and
-    the decode phase (launching the step, which on a
-    GPU returns at once, and waiting for the step before it); the rest is the caller's. And dynamo's graph count:
-    one that grew during a timed run is a recompile inside it."""
+    the decode phase (launching the step, which on a GPU returns at once, and waiting for the step before it); the
+    rest is the caller's. And dynamo's graph count: one that grew during a timed run is a recompile inside it."""
     graphs = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     return (
         f"{run['decode_steps']} steps ({run['prefill_rides']} carrying prefill rows), {run['prefill_forwards']} "
