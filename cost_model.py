@@ -22,7 +22,7 @@ from pathlib import Path
 
 import yaml
 
-from emulation import Emulation
+from cpu_bench.emulation import Emulation
 from errors import HexrlError
 
 ROOT = Path(__file__).resolve().parent

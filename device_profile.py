@@ -577,7 +577,7 @@ def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop
     import torch
     import torch.distributed as dist
 
-    from emulation import Throttle
+    from cpu_bench.emulation import Throttle
 
     torch.set_num_threads(1)
     (n, prompt, response), micro_batch_tokens = train

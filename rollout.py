@@ -92,7 +92,7 @@ import torch.nn.functional as F
 
 from buffer import Trajectory
 from config import ConfigError, RolloutConfig
-from emulation import Throttle
+from cpu_bench.emulation import Throttle
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
 from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard

@@ -1642,8 +1642,8 @@ def profile_main(argv: list[str]) -> int:
     if not 0 <= a.co_load_trainers <= a.co_load:
         raise PlanError(f"--co-load-trainers must be 0 to --co-load ({a.co_load}), got {a.co_load_trainers}")
     out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
+    from cpu_bench.emulation import Throttle
     from device_profile import profile_device
-    from emulation import Throttle
 
     # an emulated type is profiled as its ranks run: every Generator step padded by its throttle
     emulation = cluster.gpu(gpu_type).emulate

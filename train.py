@@ -50,7 +50,7 @@ from checkpoint import (
     save_train_shard,
 )
 from config import Config, load_config, to_dict
-from emulation import Throttle, emulated_types
+from cpu_bench.emulation import Throttle, emulated_types
 from errors import HexrlError
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.rankmap import (

@@ -28,7 +28,7 @@ sys.path.insert(0, str(ROOT))
 import yaml  # noqa: E402
 
 import device_profile as dp  # noqa: E402
-from emulation import Emulation, Throttle  # noqa: E402
+from cpu_bench.emulation import Emulation, Throttle  # noqa: E402
 
 SHAPES = dp.PROFILE_SHAPES["cpu"]
 DIMS = SHAPES["models"][SHAPES["co_load_model"]]  # the tiny model, as the profile's co-load peers run it

@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from emulation import Emulation, Throttle
+    from cpu_bench.emulation import Emulation, Throttle
     from rollout import Generator
 
     torch.set_num_threads(1)  # one CPU rank: one thread

@@ -15,7 +15,7 @@ from tiny import ENV, ROOT, torchrun
 
 import cost_model as cm
 import schedule as sc
-from emulation import Emulation, EmulationError, Throttle, emulated_types
+from cpu_bench.emulation import Emulation, EmulationError, Throttle, emulated_types
 
 
 def busy(seconds: float) -> None:

@@ -19,7 +19,7 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from emulation import Throttle
+from cpu_bench.emulation import Throttle
 from rollout import Generator, SamplingParams, counter_uniform, sample_tokens
 
 torch.set_num_threads(1)

@@ -13,7 +13,7 @@ def module_name(path: str) -> str:
     """Top-level and parallel/ modules by their import names; exp/ and tests/ scripts put their own folder on
     sys.path, so they are imported by bare name."""
     p = Path(path).with_suffix("")
-    return ".".join(p.parts) if p.parts[0] == "parallel" else p.name
+    return ".".join(p.parts) if p.parts[0] in ("parallel", "cpu_bench", "planner") else p.name
 
 
 def import_graph() -> nx.DiGraph:
