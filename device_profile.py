@@ -214,7 +214,7 @@ def profile_device(
 
     import torch
 
-    from rollout import Generator, SamplingParams
+    from generator import Generator, SamplingParams
 
     start = time.perf_counter()
     cuda = torch.cuda.is_available()
@@ -477,7 +477,7 @@ def _decode_beside(
     type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with each point's medians per step."""
     import time
 
-    from rollout import Generator
+    from generator import Generator
 
     dims = shapes["models"][shapes["co_load_model"]]
     batch, prompt, _ = shapes["co_load_batch"]
@@ -609,7 +609,7 @@ def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, d
     through `throttle` (None: back to back), until `stop` is set; then it reports its steps on `done`."""
     import torch
 
-    from rollout import Generator, SamplingParams
+    from generator import Generator, SamplingParams
 
     torch.set_num_threads(1)
     batch, prompt, response = shape

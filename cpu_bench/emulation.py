@@ -21,6 +21,7 @@ applies to every emulated type of a cluster (cost_model.apply_profile).
 from __future__ import annotations
 
 import contextlib
+import functools
 import time
 from dataclasses import dataclass, field
 
@@ -136,6 +137,16 @@ class Throttle:
         self.pad_split({"compute": (prefill, cpu * share), "bandwidth": (took - prefill, cpu * (1 - share))}, took)
         return outs
 
+    def wrapped(self, kind: str, fn):
+        """`fn` with every call run as one piece of `kind`."""
+
+        @functools.wraps(fn)
+        def padded(*args, **kwargs):
+            with self.piece(kind):
+                return fn(*args, **kwargs)
+
+        return padded
+
     @contextlib.contextmanager
     def piece(self, kind: str):
         self._open = (kind, time.perf_counter(), time.thread_time())
@@ -180,3 +191,30 @@ def emulated_types(plan: dict) -> list[str]:
     """The plan's GPU types that run emulated (metrics carry them)."""
     types = ((plan.get("inputs") or {}).get("cluster") or {}).get("gpu_types") or {}
     return sorted(name for name, spec in types.items() if spec.get("emulate"))
+
+
+def wrap_rank(plan: dict, rank: int, role) -> Throttle:
+    """Wraps this rank's work once, at setup, when the plan's cluster emulates its GPU type; a rank of any other type
+    is left as it is. `role` is what train.py runs on the rank:
+      - a train rank (`role.trainer`): each train step is a compute piece, and its pipeline's waits on neighbouring
+        stages are not work (Throttle.waiting);
+      - the train head (`role.stream_version`): its part of each weight transfer is a link piece, and every step
+        line names the plan's emulated types (`emulated`);
+      - a rollout rank (`role.run_step`): each generator step is padded as Throttle.generator_step says, and its
+        counters carry the sleeps (`throttle_s`, summed by the head as rollout_throttle_s)."""
+    throttle = Throttle.for_rank(plan, rank)
+    if not throttle.active:
+        return throttle
+    trainer = getattr(role, "trainer", None)
+    if trainer is not None:
+        trainer.train_step = throttle.wrapped("compute", trainer.train_step)
+        trainer.links.waiting = throttle.waiting
+    if hasattr(role, "stream_version"):
+        role.stream_version = throttle.wrapped("link", role.stream_version)
+        log_step, types = role.log.step, emulated_types(plan)
+        role.log.step = lambda metrics: log_step({**metrics, "emulated": types})
+    if hasattr(role, "run_step"):
+        role.run_step = throttle.generator_step
+        counters = role.counters
+        role.counters = lambda: {**counters(), "throttle_s": sum(throttle.slept_s.values())}
+    return throttle

@@ -51,7 +51,7 @@ def measure(decoder: Throttle, peers: list, types: dict, args, tmp: str) -> dict
     import torch
     import torch.multiprocessing as mp
 
-    from rollout import Generator, SamplingParams
+    from generator import Generator, SamplingParams
 
     ctx = mp.get_context("spawn")
     ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()

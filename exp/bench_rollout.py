@@ -68,7 +68,8 @@ from transformers import (
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from rollout import PACKED_RIDE_TOKENS, Generator, KVPool, SamplingParams, gpu_options  # noqa: E402
+from generator import PACKED_RIDE_TOKENS, Generator, SamplingParams, gpu_options  # noqa: E402
+from kv_cache import KVPool  # noqa: E402
 
 TINY_DIR = ROOT / "exp" / "tiny-model"
 RANDOM_CONFIGS = {  # random-init stand-ins when (or besides) the shipped tiny model

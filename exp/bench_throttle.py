@@ -31,7 +31,7 @@ def decode_loop(gen, throttle, vocab: int, batch: int, new_tokens: int, tag) -> 
     """(wall s, CPU s) of generating new_tokens for batch fresh prompts through the throttle."""
     import torch
 
-    from rollout import SamplingParams
+    from generator import SamplingParams
 
     rng = torch.Generator().manual_seed(0)
     for i, p in enumerate(torch.randint(1, vocab, (batch, 29), generator=rng).tolist()):
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     from transformers import AutoModelForCausalLM
 
     from cpu_bench.emulation import Emulation, Throttle
-    from rollout import Generator
+    from generator import Generator
 
     torch.set_num_threads(1)  # one CPU rank: one thread
     hf = AutoModelForCausalLM.from_pretrained(a.model, dtype=torch.float32)

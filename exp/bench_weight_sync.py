@@ -159,7 +159,7 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
             buckets = trainer.sync_buckets(itemsize, bucket_bytes)
             layout = {"buckets": [bucket_meta(b, trainer.full_shapes, dtype) for b in buckets], "verify": True}
         else:
-            from rollout import Generator
+            from generator import Generator
 
             model = make_model(shape, dtype).to(device)
             gen = Generator(model, max_batch_size=2, max_seq_len=32)

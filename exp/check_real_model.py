@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from rollout import Generator, SamplingParams  # noqa: E402
+from generator import Generator, SamplingParams  # noqa: E402
 from tasks import chat_prompt, load_math_dataset  # noqa: E402
 
 

@@ -32,7 +32,7 @@ Device. The fake tensors live on "cpu" and the code runs its CPU path with the G
 compute_dtype bfloat16 (bf16 autocast, FSDP's bf16 unsharded parameters, fp32 master state), the rollout model is
 bf16, weights sync in bf16. A fake CUDA device would take other paths on a machine without CUDA (autocast turns
 itself off, FSDP asks CUDA for its device), so it would not be the real code either. Where the code asks the device
-for free memory (rollout.available_memory, sizing a KV pool by rollout.kv_cache_fraction) it gets the GPU's HBM
+for free memory (generator.available_memory, sizing a KV pool by rollout.kv_cache_fraction) it gets the GPU's HBM
 minus what this rank holds. Not counted, so left to the headroom (--headroom, default: peak <= 0.9 x HBM): the CUDA
 context and NCCL's buffers, the caching allocator's fragmentation, cuBLAS / flash-attn workspaces, CUDA graphs
 (the estimate builds the Generator with compile_decode off) and anything a kernel allocates internally.
@@ -220,7 +220,7 @@ def fake_runtime(free_bytes=None):
         statistics' masked selections), of a known constant its true positions;
     (5) PackedSeqs.build, whose index tensors depend on the packed lengths' values, runs on real tensors and hands
         the trainer fake copies (allocated under the tracker);
-    (6) rollout.available_memory answers `free_bytes()` (the HBM left), as CUDA's free memory would.
+    (6) generator.available_memory answers `free_bytes()` (the HBM left), as CUDA's free memory would.
     Yields the mode; module deep copies (the trainer copies the rotary module) need FakeCopyMode(mode) around them."""
     import dataclasses
 
@@ -228,7 +228,7 @@ def fake_runtime(free_bytes=None):
     from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensorMode, unset_fake_temporarily
     from torch.distributed.device_mesh import DeviceMesh
 
-    import rollout
+    import generator
     from parallel.tensor_parallel import PackedSeqs
 
     def module_to(self, *args, **kwargs):
@@ -257,7 +257,7 @@ def fake_runtime(free_bytes=None):
     original = {
         "to": torch.nn.Module.to,
         "from_group": DeviceMesh.from_group,
-        "available_memory": rollout.available_memory,
+        "available_memory": generator.available_memory,
         "build": PackedSeqs.__dict__["build"],
         **{op: impls[op] for op in (*scalar_ops, nonzero_op)},
     }
@@ -289,7 +289,7 @@ def fake_runtime(free_bytes=None):
         impls[op] = scalar
     impls[nonzero_op] = nonzero
     if free_bytes is not None:
-        rollout.available_memory = lambda device: max(0, int(free_bytes()))
+        generator.available_memory = lambda device: max(0, int(free_bytes()))
     try:
         with FakeTensorMode(allow_non_fake_inputs=True) as mode:
             yield mode
@@ -297,7 +297,7 @@ def fake_runtime(free_bytes=None):
         torch.nn.Module.to = original["to"]
         DeviceMesh.from_group = staticmethod(original["from_group"])
         PackedSeqs.build = original["build"]
-        rollout.available_memory = original["available_memory"]
+        generator.available_memory = original["available_memory"]
         for op in (*scalar_ops, nonzero_op):
             impls[op] = original[op]
 
@@ -433,9 +433,9 @@ def run_rollout_rank(cfg, groups, hf_cfg, *, tracker=None, sync: bool = True):
     from transformers import AutoModelForCausalLM
 
     import cost_model as cm
+    from generator import Generator, SamplingParams, gpu_options, kv_options
     from parallel.replica import ReplicaLink
     from parallel.weight_sync import bucket_meta, receive_version
-    from rollout import Generator, SamplingParams, gpu_options, kv_options
 
     model_dtype, _ = gpu_dtypes(cfg)
     replica, r = groups.replica, cfg.rollout

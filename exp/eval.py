@@ -20,8 +20,8 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import load_config  # noqa: E402
+from generator import Generator, SamplingParams  # noqa: E402
 from reward_math import avg_at_k, pass_at_k, score  # noqa: E402
-from rollout import Generator, SamplingParams  # noqa: E402
 from tasks import load_task  # noqa: E402
 
 

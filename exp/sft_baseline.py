@@ -97,7 +97,7 @@ class RejectionSampler:
     def __init__(self, model, tok, cfg, seed: int):
         import copy
 
-        from rollout import Generator
+        from generator import Generator
 
         self.model, self.tok, self.cfg = model, tok, cfg
         self.train_rows, _ = load_task(cfg.data, tok)
@@ -107,8 +107,8 @@ class RejectionSampler:
         self.round, self.sampled, self.kept = 0, 0, 0
 
     def train(self, opt, seconds: float, lr: float) -> int:
+        from generator import SamplingParams
         from reward_math import score
-        from rollout import SamplingParams
 
         r, steps, start = self.cfg.rollout, 0, time.time()
         for g in opt.param_groups:

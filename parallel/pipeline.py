@@ -30,7 +30,7 @@ class StageLinks:
     group: Any
     device: torch.device
     act_dtype: torch.dtype = torch.float32  # activations always travel in fp32 (bf16 compute casts on entry)
-    # wraps every wait on a neighbour: an emulated device type's throttle pads the work before it (Throttle.waiting)
+    # wraps every wait on a neighbour: the CPU bench (cpu_bench/) pads the work before it, the wait is not work
     waiting: Callable[[], contextlib.AbstractContextManager] = contextlib.nullcontext
 
     @classmethod

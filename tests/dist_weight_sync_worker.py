@@ -110,7 +110,7 @@ def main():
                 checks += [msg["ok"] for _, msg in channel.poll(timeout_s=120)]
             ok &= all(checks)
     else:
-        from rollout import Generator, SamplingParams
+        from generator import Generator, SamplingParams
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
         gen = Generator(model, max_batch_size=2, max_seq_len=32)

@@ -252,12 +252,13 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     from buffer import Trajectory
     from checkpoint import CheckpointWriter
     from config import load_config
+    from head import NonFiniteError
     from parallel.channel import Channel
     from parallel.groups import build_groups
     from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer
     from runlog import RunLog
-    from train import NonFiniteError, TrainHead
+    from train import TrainHead
 
     model = tiny_model("llama")
     groups = build_groups(make_train_plan(1, 1, 1, [(0, model.config.num_hidden_layers)]))

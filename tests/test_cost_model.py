@@ -156,7 +156,7 @@ def _generator(max_batch: int, interrupt_mode: str = "recompute"):
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from rollout import Generator
+    from generator import Generator
 
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -169,7 +169,7 @@ def _generator(max_batch: int, interrupt_mode: str = "recompute"):
 def test_prompt_prefill_is_priced_as_the_generator_prefills_it(groups, samples, prompt_len):
     """A step's prompt prefill is each GRPO group's prompt once, but its last token (cm.prompt_prefill_tokens): the
     tokens rollout.Generator prefills for a step's groups, its samples sharing the prompt's K/V, exactly."""
-    from rollout import SamplingParams
+    from generator import SamplingParams
 
     _, gen = _generator(max_batch=samples)
     for g in range(groups):
@@ -190,7 +190,7 @@ def test_a_weight_update_recomputes_what_the_cost_model_charges(running, prompt_
     last token -- rollout.Generator's recompute_tokens exactly, for sequences `generated` tokens in (the mean a
     running sequence holds of g-token answers, Workload.decode_context, is g / 2 in: g = 2 * generated); none in
     "keep" mode, and none at eta = 0, where the step waits for every sequence before the update."""
-    from rollout import SamplingParams
+    from generator import SamplingParams
 
     for mode in ("recompute", "keep"):
         model, gen = _generator(max_batch=running, interrupt_mode=mode)

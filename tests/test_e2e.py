@@ -209,8 +209,9 @@ def test_colocated_gpu_caps_each_role_and_refuses_layouts_gloo_cannot_run(monkey
     import torch
 
     from config import load_config
+    from errors import SetupError
     from parallel.rankmap import RolloutReplica
-    from train import SetupError, share_device
+    from train import share_device
 
     caps = []
     monkeypatch.setattr(torch.cuda, "set_per_process_memory_fraction", lambda f, device: caps.append((f, device)))

@@ -101,7 +101,7 @@ def test_a_wait_inside_a_piece_pads_the_work_before_it_and_is_not_work():
 def _pipeline_worker(rank: int, init_file: str, out_dir: str, m: int, cpu_s: float, fraction: float) -> None:
     """One stage of a 2-stage 1F1B pipeline (parallel/pipeline.py) whose every forward costs `cpu_s` of CPU time,
     on an emulated type of compute `fraction`, the waits on the other stage hooked to the throttle as the trainer's
-    are (train.make_trainer). Writes this stage's seconds for the whole pipeline."""
+    are (cpu_bench.wrap_rank). Writes this stage's seconds for the whole pipeline."""
     import torch
     import torch.distributed as dist
 
@@ -216,14 +216,15 @@ def test_a_generator_step_pads_prefill_by_compute_and_the_rest_by_bandwidth():
             return ["out"]
 
     worker = RolloutWorker.__new__(RolloutWorker)
-    worker.throttle, worker.generate_s = Throttle(Emulation(compute=0.5, bandwidth=0.25)), 0.0
+    throttle = Throttle(Emulation(compute=0.5, bandwidth=0.25))
+    worker.run_step, worker.generate_s = throttle.generator_step, 0.0  # as cpu_bench.wrap_rank sets it
     worker.generate_cpu_s, worker.generate_steps = 0.0, 0
     assert worker.step(Gen()) == ["out"]
     assert worker.generate_s == pytest.approx(0.16, rel=0.15)  # the step's wall time, padding included
     assert worker.generate_cpu_s == pytest.approx(0.05, rel=0.3)  # its work, not its padding
     assert worker.generate_steps == 1
-    assert worker.throttle.slept_s["compute"] == pytest.approx(0.02, rel=0.15)  # ~0.02 * (1/0.5 - 1)
-    assert worker.throttle.slept_s["bandwidth"] == pytest.approx(0.09, rel=0.15)  # ~0.03 * (1/0.25 - 1)
+    assert throttle.slept_s["compute"] == pytest.approx(0.02, rel=0.15)  # ~0.02 * (1/0.5 - 1)
+    assert throttle.slept_s["bandwidth"] == pytest.approx(0.09, rel=0.15)  # ~0.03 * (1/0.25 - 1)
 
 
 def test_an_emulated_run_says_so_in_every_step_line(tmp_path, tiny_model_dir):

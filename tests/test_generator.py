@@ -19,8 +19,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from cpu_bench.emulation import Throttle
-from rollout import Generator, SamplingParams, counter_uniform, sample_tokens
+from generator import Generator, SamplingParams
+from sampler import counter_uniform, sample_tokens
 
 torch.set_num_threads(1)
 
@@ -152,7 +152,7 @@ def test_rms_norm_is_hf_bit_for_bit(dtype):
     """Our norm (F.rms_norm for fp32, HF's arithmetic written out for bf16) gives exactly HF's bits."""
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
 
-    from rollout import rms_norm
+    from model import rms_norm
 
     torch.manual_seed(23)
     for hidden, shape in [(64, (32, 1)), (256, (5, 37)), (896, (300,))]:
@@ -579,7 +579,7 @@ def test_fused_projections_follow_every_write_to_the_model(kind, layout):
 
 def test_blocked_lm_head_equals_one_gemm():
     """On CPU a vocabulary above 4 blocks goes through the LM head block by block: same logits."""
-    from rollout import LM_HEAD_BLOCK
+    from generator import LM_HEAD_BLOCK
 
     torch.manual_seed(16)
     config = LlamaConfig(**{**COMMON, "vocab_size": 4 * LM_HEAD_BLOCK + 333})
@@ -806,7 +806,7 @@ def test_eval_and_rollout_generators_share_one_pool():
     worker.cfg.rollout.kv_seq_tokens = 8  # 32 tokens of pool: 4 slots
     worker.model, worker.tok, worker.gpu_options = model, SimpleNamespace(eos_token_id=eos), {}
     worker.weights_incomplete, worker.eval_gen, worker.scorer, worker.is_leader = False, None, None, False
-    worker.throttle, worker.generate_s, worker.generate_cpu_s, worker.generate_steps = Throttle(), 0.0, 0.0, 0
+    worker.generate_s, worker.generate_cpu_s, worker.generate_steps = 0.0, 0.0, 0
     worker.encoded = {("test", i): p for i, p in enumerate(PROMPTS)}
     worker.gen = Generator(
         model, max_batch_size=4, max_seq_len=32, kv_block_size=4, kv_cache_tokens=32, kv_seq_tokens=8
@@ -842,9 +842,10 @@ def test_eval_and_rollout_generators_share_one_pool():
 
 
 def test_pool_size_and_slot_count_come_from_the_config(monkeypatch):
-    import rollout
+    import generator
     from config import ConfigError, RolloutConfig
-    from rollout import KVPool, kv_options
+    from generator import kv_options
+    from kv_cache import KVPool
 
     model = make_model("llama", seed=34)
     default = Generator(model, max_batch_size=3, max_seq_len=30)  # a static cache's size, blocks of 16
@@ -853,7 +854,7 @@ def test_pool_size_and_slot_count_come_from_the_config(monkeypatch):
     sized = Generator(model, max_batch_size=8, max_seq_len=32, kv_block_size=8, kv_cache_tokens=100, kv_seq_tokens=16)
     assert sized.kv_pool.num_blocks == 13 and sized.max_batch_size == 104 // 16  # slots from memory, capped at 8
     token_bytes = KVPool.token_bytes(2, COMMON["num_key_value_heads"], 16, torch.float32)
-    monkeypatch.setattr(rollout, "available_memory", lambda device: 1000 * token_bytes)
+    monkeypatch.setattr(generator, "available_memory", lambda device: 1000 * token_bytes)
     frac = Generator(model, max_batch_size=64, max_seq_len=32, kv_cache_fraction=0.5, kv_block_size=10)
     assert frac.kv_pool.num_blocks == 50 and frac.max_batch_size == 500 // 32
     assert frac.kv_pool.block_bytes == 10 * token_bytes

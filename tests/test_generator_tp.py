@@ -32,9 +32,9 @@ from test_generator import (  # noqa: E402
 )
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
-import rollout  # noqa: E402
+import generator  # noqa: E402
+from generator import Generator, SamplingParams, gpu_options  # noqa: E402
 from parallel.tensor_parallel import check_model_supports_tp, check_tp_divides  # noqa: E402
-from rollout import Generator, SamplingParams, gpu_options  # noqa: E402
 
 torch.set_num_threads(1)
 TP = 2
@@ -132,13 +132,13 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
         )
         res["tiny_pool"] = as_lists(tiny.generate(PROMPTS, dataclasses.replace(GREEDY, max_new_tokens=16)))
         res["tiny_pool_preemptions"] = tiny.stats.preemptions
-        available, rollout.available_memory = rollout.available_memory, lambda device: (1 + rank) * 2**20
+        available, generator.available_memory = generator.available_memory, lambda device: (1 + rank) * 2**20
         try:
             res["fraction_blocks"] = Generator(
                 model, max_seq_len=40, kv_cache_fraction=0.5, tp_group=group
             ).kv_pool.num_blocks
         finally:
-            rollout.available_memory = available
+            generator.available_memory = available
 
         # bad input: each refused before any collective, on every rank alike
         one_kv = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_key_value_heads": 1})).eval()

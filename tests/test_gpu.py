@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 from test_generator import PROMPTS, full_forward_logprobs, hf_greedy, make_model, perturbed_state_dict
 
-from rollout import Generator, SamplingParams, gpu_options
+from generator import Generator, SamplingParams, gpu_options
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 CUDA = torch.device("cuda")

@@ -7,19 +7,9 @@ import pytest
 
 from buffer import StalenessBuffer, Trajectory
 from checkpoint import CheckpointError
-from errors import HexrlError
+from errors import HexrlError, SetupError
+from head import Admission, DataOrder, EvalBook, NonFiniteError, NonFiniteGuard, RolloutPool, StepMetrics, WeightAcks
 from parallel.rankmap import RolloutReplica
-from train import (
-    Admission,
-    DataOrder,
-    EvalBook,
-    NonFiniteError,
-    NonFiniteGuard,
-    RolloutPool,
-    SetupError,
-    StepMetrics,
-    WeightAcks,
-)
 
 
 # ---------------------------------------------------------------------------------------------- data order

@@ -7,8 +7,9 @@ import torch
 
 import reward_math as rm
 from buffer import Trajectory
+from generator import RequestOutput
 from reward_math import ScoreLimits, score
-from rollout import GroupScorer, RequestOutput
+from rollout import GroupScorer
 
 torch.set_num_threads(1)
 PATIENT = ScoreLimits(timeout_s=30.0)  # the equivalence test judges verdicts, not speed: no timeouts under load

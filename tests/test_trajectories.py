@@ -194,7 +194,7 @@ def run_worker(tmp_path, nproc, mode):
 
 
 def test_rollout_to_head_to_follower_gives_every_train_rank_todays_list(tmp_path):
-    """3 ranks: train head 0 (the real TrainHead.handle / train_on), train follower 1 (the real run_train_follower),
+    """3 ranks: train head 0 (the real TrainHead.handle / train_on), train follower 1 (the real TrainFollower),
     rollout leader 2 (the real RolloutWorker.send_results / on_fetch). Every train rank must train on exactly the
     list the JSON path gave it: the rollout's trajectories through to_dict -> JSON -> from_dict, with the head's
     advantages."""
@@ -238,7 +238,7 @@ def worker(tmp: str, mode: str) -> None:
     from parallel.rankmap import RolloutReplica
     from rollout import RolloutWorker
     from runlog import RunLog
-    from train import TrainHead, broadcast_json, run_train_follower
+    from train import TrainFollower, TrainHead, broadcast_json
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -281,7 +281,7 @@ def worker(tmp: str, mode: str) -> None:
                     w.on_fetch(msg)
                 stopped |= msg["kind"] in ("stop", "abort")
     elif rank == 1:
-        run_train_follower(groups, Trainer())
+        TrainFollower(groups, Trainer()).run()
         broadcast_json(got, src=1, group=train_group)  # to the head, which compares
     else:
         head = TrainHead(

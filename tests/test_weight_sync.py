@@ -41,7 +41,7 @@ def swap_in_buckets(kind: str, bucket_names: int | None):
 
     from test_generator import PROMPTS, make_model, perturbed_state_dict
 
-    from rollout import Generator, SamplingParams
+    from generator import Generator, SamplingParams
 
     model = make_model(kind)
     new = perturbed_state_dict(copy.deepcopy(model), seed=7)
