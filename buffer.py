@@ -49,7 +49,7 @@ The readiness test is a feasibility test, so `take()` on a ready buffer cannot b
 on a buffer that is not ready is a caller's bug and raises StalenessError (explicit, not an `assert`, so
 `python -O` cannot turn it into a silent violation).
 
-`consume_order` picks the rule a run uses; exp/simulate.py measures each (exp/EXPERIMENTS.md):
+`consume_order` picks the rule a run uses; exp/simulate.py measures each (docs/results.md):
   "deadline"   the rule above (default): a younger completed group may go ahead of an older one in flight
                whenever every deadline can still be met;
   "admission"  strict admission order: the batch is the B oldest outstanding groups, and waits for all of

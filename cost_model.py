@@ -869,7 +869,7 @@ class StageSpec:
 #   the global grad norm  GRAD_NORM_BYTES per element of the largest gradient (its fp64 copy and square), after the
 #              backward: the activations are gone by then
 # The per-token constants are fitted to the runtime's first stages at 1.5B (tp 1), 7B and 14B (tp 2, FSDP); every
-# rank of the 15 plans in exp/PLANNER.md agrees with exp/estimate_memory.py within a few % (a test checks one small case).
+# rank of the 15 plans in docs/planner.md agrees with exp/estimate_memory.py within a few % (a test checks one small case).
 LAYER_H_BYTES, LAYER_I_BYTES = 25.5, 12.3
 LOGIT_BYTES = 8.0
 HEAD_H_BYTES = 8.5

@@ -19,7 +19,7 @@ Story of a request:
   while step k+1 runs: that step takes its input tokens from step k's on the device. A stop token is therefore
   seen a step late; its request's extra row is dropped. The GPU step runs in batch-size buckets (a CUDA graph
   each) with FlexAttention over the live blocks in place; it carries up to `ride_tokens` packed prefill rows of
-  new prompts (prefill rows "riding" in the decode forward). docs/generator.md says what runs where and why.
+  new prompts (prefill rows "riding" in the decode forward). docs/generator.md, "The GPU decode path", says what runs where and why.
 
 Weight updates (`update_weights`) happen between step() calls. interrupt_mode="recompute" (default,
 as AReaL) re-prefills every in-flight sequence (prompt + tokens so far) under the new weights, so
@@ -106,7 +106,7 @@ def gpu_options(
     is slower there) nor under tensor parallelism (tp > 1: the step's collectives are not captured), and uses
     flash-attn on a GPU when installed and the KV blocks are a multiple of 256 tokens, which its paged kernel needs
     (opt-in: untested). A compiled step carries up to ride_tokens packed prefill rows; an eager one the chunk as it
-    is. Numbers: exp/GENERATOR.md."""
+    is. Numbers: docs/generator.md."""
     on_gpu = device.type == "cuda"
     flash_ok = on_gpu and flash_attn_with_kvcache is not None and kv_block_size % 256 == 0
     compiled = compile_decode == "always" or compile_decode == "auto" and on_gpu and tp == 1

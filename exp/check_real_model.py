@@ -7,7 +7,7 @@ ranks send), and one short question whose answer ends on the EOS token early (--
 - greedy: our token ids equal HF `generate(do_sample=False)` run one prompt at a time (no padding), EOS included;
 - log-probs: ours equal the log-softmax of HF's full forward over prompt + generated tokens within --atol, for the
   greedy run (log_softmax(logits)) and for seeded sampled runs (log_softmax(logits / T), before top-k/top-p: the
-  log-prob convention of exp/GENERATOR.md) at T = 1 (the RL setting) and at T = 0.7 with top-p 0.9 and top-k 50;
+  log-prob convention of docs/generator.md) at T = 1 (the RL setting) and at T = 0.7 with top-p 0.9 and top-k 50;
 - seeds: a sampled request run alone gives the same tokens as in the batch (counter-based draws).
 HF runs on its own copy of the model as loaded: our Generator re-lays the weights it fuses. Speed: greedy tokens/s
 of ours (all prompts in one continuously batched call) vs HF `generate` on the same prompts left-padded in one

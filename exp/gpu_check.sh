@@ -8,7 +8,7 @@
 # rank to a rollout rank on this GPU (pinned host memory vs CUDA IPC), and the rollout benchmark of the 1.5B shape's RL
 # tail at batch 256 (tokens/s, GB/s, % of HBM peak).
 #
-#   OUT=exp/gpu_logs/h200 bash exp/gpu_check.sh   # logs: $OUT/{env.txt,test_gpu.log,colocated*,memory.log,handover.log,bench.log}
+#   OUT=runs/gpu_check_h200 bash exp/gpu_check.sh   # logs: $OUT/{env.txt,test_gpu.log,colocated*,memory.log,handover.log,bench.log}
 #   GPU_CHECK_ON_CPU=1 OUT=/tmp/dry bash exp/gpu_check.sh  # dry run on CPU (CUDA hidden, shorter runs, no gain check)
 #   WHEELS=.whl bash exp/gpu_check.sh   # a GPU machine without network: install the wheels in .whl (the packages
 #                                       # requirements.txt adds to a CUDA image, e.g. datasets, math-verify) first
@@ -34,7 +34,7 @@ HANDOVER_ARGS=(--device cuda --replicas 1 --repeats 3 --bucket-mb 1024 --bench-s
 # the acceptance row: the DeepSeek-R1-Distill-Qwen-1.5B shape's long-tailed RL batch of 256 slots, % of HBM peak.
 # Four decode widths, not the nine powers of two: each is a compile of the 28-layer step (on the H200 the first
 # compiles took ~50 s each), and the tail's few rows cost about the same at width 16 as at 1 there. The kernel
-# profile names what bounds the row (at width 256 alone it ran at 84 ms per step, 1% of HBM: exp/gpu_logs).
+# profile names what bounds the row (at width 256 alone it ran at 84 ms per step, 1% of HBM: docs/generator.md).
 BENCH_ARGS=(--models r1-1.5b --workloads rl-tail --batch 256 --bucket-widths 1,16,64,256 --kernel-profile 15)
 if [[ "${GPU_CHECK_ON_CPU:-0}" == 1 ]]; then
   export CUDA_VISIBLE_DEVICES=""

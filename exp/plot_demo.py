@@ -2,7 +2,8 @@
 (exp/sft_baseline.py: continued SFT, SFT on correct solutions, rejection-sampling fine-tuning) against training
 wall time.
 
-    python exp/plot_demo.py runs/<rl run> runs/baseline_*.json --out exp/demo_curves.png
+    python exp/plot_demo.py exp/results/demo/summary.json                # the figure in docs/results.md
+    python exp/plot_demo.py runs/<rl run> runs/baseline_*.json --out demo_curves.png
 """
 
 from __future__ import annotations
@@ -27,11 +28,18 @@ def rl_curve(run_dir: Path) -> tuple[list[float], list[float]]:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("rl_run")
-    ap.add_argument("baseline_json", nargs="+")
-    ap.add_argument("--out", default="exp/demo_curves.png")
+    ap.add_argument("rl_run", help="a train.py run directory, or exp/results/demo/summary.json (RL and baselines)")
+    ap.add_argument("baseline_json", nargs="*")
+    ap.add_argument("--out", default="exp/results/demo/demo_curves.png")
     args = ap.parse_args()
-    x_rl, y_rl = rl_curve(Path(args.rl_run))
+    if args.rl_run.endswith(".json"):
+        summary = json.loads(Path(args.rl_run).read_text())
+        x_rl = [c["train_seconds"] for c in summary["rl"]["curve"]]
+        y_rl = [100 * c["eval_accuracy"] for c in summary["rl"]["curve"]]
+        baselines = list(summary["baselines"].values())
+    else:
+        x_rl, y_rl = rl_curve(Path(args.rl_run))
+        baselines = [json.loads(Path(path).read_text()) for path in args.baseline_json]
     fig, ax = plt.subplots(figsize=(7, 4.2))
     ax.plot(x_rl, y_rl, "o-", label="hexrl async GRPO (2 rollout + 2 train ranks)")
     labels = {
@@ -39,10 +47,9 @@ def main() -> None:
         "sft_correct_baseline": "SFT on correct reference solutions",
         "rft_baseline": "rejection-sampling fine-tuning (own correct samples)",
     }
-    for path, marker in zip(args.baseline_json, ["s--", "^--", "d--", "v--"]):
-        doc = json.loads(Path(path).read_text())
+    for doc, marker in zip(baselines, ["s--", "^--", "d--", "v--"]):
         curve = doc["curve"]
-        label = labels.get(doc.get("kind"), Path(path).stem)
+        label = labels.get(doc.get("kind"), doc.get("kind", "baseline"))
         ax.plot([c["train_seconds"] for c in curve], [100 * c["eval_accuracy"] for c in curve], marker, label=label)
     ax.set_xlabel("training wall time (s), 2 CPU cores")
     ax.set_ylabel("held-out greedy accuracy (%), 500 problems")

@@ -4,7 +4,7 @@ greedy accuracy (500 problems, the default config's test split), evaluated every
     python exp/sft_baseline.py --mode sft --seconds 270 --out runs/sft_baseline.json
     python exp/sft_baseline.py --mode sft-correct --seconds 270 --out runs/sft_correct.json
     python exp/sft_baseline.py --mode rft --seconds 270 --out runs/rft_baseline.json
-    python exp/plot_demo.py runs/<rl run> runs/sft_baseline.json --out exp/demo_curves.png
+    python exp/plot_demo.py runs/<rl run> runs/sft_baseline.json --out demo_curves.png
 
   sft          continue the warm start's own supervised training: its worked solutions, mistakes included
   sft-correct  supervised training on correct reference solutions of the training problems (no mistakes)
