@@ -60,7 +60,7 @@ class RolloutConfig:
     top_k: int = -1
     max_batch_size: int = 64  # generator slots per rollout rank: an upper bound, the KV pool may allow fewer
     max_seq_len: int = 128
-    # The paged KV cache (rollout.py KVPool): one pool of kv_block_size-token blocks per rollout rank, shared by the
+    # The paged KV cache (kv_cache.py KVPool): one pool of kv_block_size-token blocks per rollout rank, shared by the
     # rollout and eval generators. Its size: kv_cache_tokens if > 0, else kv_cache_fraction (in [0, 1)) of the free
     # device memory after the weights (on CPU: of MemAvailable), else 0/0 = max_batch_size x max_seq_len tokens (the
     # size of a static cache: never preempts). Slots = min(max_batch_size, pool tokens // kv_seq_tokens), where
@@ -169,8 +169,8 @@ class DistConfig:
     colocate: bool = False
     # How an owner hands a weight bucket to a rollout relay: wire (over the process group) | shared (in shared memory:
     # CUDA IPC on a GPU, a /dev/shm file on CPU; needs every rank on one host, i.e. dist.colocate) | auto (shared
-    # when colocated: 1.17x faster on CPU, exp/bench_weight_sync.py --handover wire,shared; on a GPU one device copy
-    # instead of device -> pinned host -> socket -> pinned host -> device, measured by exp/gpu_check.sh).
+    # when colocated: on a GPU one device copy instead of device -> pinned host -> socket -> pinned host -> device;
+    # exp/bench_weight_sync.py --handover wire,shared measures both).
     handover: str = "auto"
     train_memory_fraction: float = 0.0
     rollout_memory_fraction: float = 0.0

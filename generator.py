@@ -773,8 +773,8 @@ class Generator:
         written_at = None
         if self.static_decode:
             # Compiled, K/V go in by index_put_ on the pool's own storage, an index per dim, which inductor does in
-            # place. index_copy_ into a layer's view of it was functionalized into a copy of the whole pool per
-            # layer, K and V (a 1 GB pool on CPU: 1.7 s per step): the step's cost grew with the pool, not the batch.
+            # place; inductor functionalizes index_copy_ into a layer's view into a copy of the whole pool per layer
+            # (tests/unit/test_generator.py checks the generated code).
             plane = (self.kv_pool.num_blocks + 1) * self.block_size
             head, row = write_rows // plane, write_rows % plane
             written_at = (head, row // self.block_size, row % self.block_size)
@@ -944,9 +944,9 @@ class Generator:
         return out.transpose(1, 2).reshape(n * length, 1, -1)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:
-        """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows: as one
-        [B, H] x [H, V] GEMM it ran at half the speed (V = 16384, MKL, 1 thread: 28 ms vs 14 ms in blocks of
-        1024). On GPU it is one GEMM. Under TP each rank computes its [B, V/k] and all of them are gathered, so
+        """fp32 logits [B, V]. On CPU a large vocabulary goes through the LM head in blocks of rows (MKL runs
+        one [B, H] x [H, V] GEMM of a large V at about half the speed of blocks of LM_HEAD_BLOCK rows). On GPU it is
+        one GEMM. Under TP each rank computes its [B, V/k] and all of them are gathered, so
         every rank samples the same tokens from the same logits."""
         w, b = self.lm_head.weight.detach(), self.lm_head.bias
         if self.device.type != "cpu" or w.shape[0] <= 4 * LM_HEAD_BLOCK:

@@ -57,9 +57,8 @@ _INPUT_MAJOR_FASTER: dict[tuple, bool] = {}
 def input_major_is_faster(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> bool:
     """CPU: is x @ W faster with W stored [in, out] than [out, in] (an nn.Linear's), at decode size?
 
-    MKL's small-GEMM speed depends on the weight's layout, both ways and by shape: with 32 rows and 1 thread,
-    weights streamed from memory, gate/up took 474 vs 592 us input-major (tiny model) and 1.9 vs 2.3 ms
-    (34M config) while down_proj was 8-15% slower. So each shape is timed once per process, both layouts
+    MKL's small-GEMM speed depends on the weight's layout, both ways and by shape (gate/up can be faster
+    input-major while down_proj is slower). So each shape is timed once per process, both layouts
     interleaved over ~16 MB of weight copies (in a decode step the weights come from memory, not cache), best
     of 5, and input-major must win by 5%. Both layouts give the same bits here (MKL); the tests run both."""
     key = (out_features, in_features, rows, dtype)

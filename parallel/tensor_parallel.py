@@ -11,8 +11,7 @@ each is sliced from the HF tensor (dim 0, dim 1, or replicated), which is all ga
 
 Packed sequences: a micro-batch is one row of concatenated sequences; position ids restart at 0 for each
 sequence and attention is causal within each sequence only, so it is exactly a per-sequence forward. Attention
-never builds the T x T block-diagonal mask (quadratic in the packed length: it cost a third of the CPU demo's
-train step): q/k/v are gathered into a right-padded [n_seqs, L_max] batch for SDPA's plain causal path (a valid
+never builds the T x T block-diagonal mask (quadratic in the packed length): q/k/v are gathered into a right-padded [n_seqs, L_max] batch for SDPA's plain causal path (a valid
 query never sees a padded key under a causal mask), or handed to flash-attn's varlen kernel on GPU when installed.
 """
 

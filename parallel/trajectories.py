@@ -36,8 +36,7 @@ the head, which posts one receive per `result` read from a live rank and none on
 Train head → train followers (broadcast_batch / receive_batch): the head forwards the groups' buffers as they
 arrived, then the batch's advantages (float64: exactly the head's numbers, as JSON carried them): one control
 broadcast (the sizes, through the head's `command`), then one `dist.broadcast` of the concatenation over the train
-group. Measured (exp/bench_trajectories.py, 512 prompts x 16 samples x ~2.1k tokens): 8.09 bytes per response token
-(JSON: 30), and the head's decode + re-encode 33x cheaper.
+group. About 8 bytes per response token against JSON's 30 (exp/bench_trajectories.py measures both).
 """
 
 from __future__ import annotations

@@ -295,7 +295,7 @@ def test_cluster_speed_is_the_kinds_fraction_times_a_core_share_by_demand():
     assert [c.speed(0, k) for k in ("compute", "bandwidth", "link")] == [0.25, 0.5, 1.0]
     assert [c.speed(1, k) for k in ("compute", "bandwidth", "link")] == [0.5, 0.2, 0.4]
     assert c.type_speed("fl", "bandwidth") == 0.2 and c.type_speed("fl") == 0.5  # compute by default
-    assert c.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4, as before
+    assert c.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4
     half = two_type_cluster(host_cores=0.5)  # now each rank gets a quarter of a core, half of what it wants
     assert [half.speed(0, k) for k in ("compute", "bandwidth")] == [0.125, 0.25]
     assert two_type_cluster(host_cores=None).speed(1, "bandwidth") == 0.2  # no core share without host_cores

@@ -493,9 +493,8 @@ def test_compiled_step_carries_packed_prefill_rows_with_the_same_outputs():
 def test_compiled_step_writes_the_kv_pool_in_place():
     """The compiled step (decode rows, and packed prefill rows riding in it) writes K/V into the pool's storage in
     place: the code inductor generates for it takes the pool as an input and never allocates a buffer of its shape.
-    Written by index_copy_ into a layer's view of the storage, it was functionalized into a copy of the whole pool
-    for each layer's K and V, so a step cost as much as copying the pool 2 x layers times (a 1 GB pool: 1.7 s per
-    step on CPU) whatever the batch."""
+    Written by index_copy_ into a layer's view of the storage, inductor functionalizes it into a copy of the whole
+    pool for each layer's K and V, so a step costs as much as copying the pool 2 x layers times, whatever the batch."""
     check_compiled_step_writes_the_pool_in_place(make_model("mistral", seed=70), {})
 
 
@@ -924,7 +923,7 @@ def test_async_decode_gives_the_same_tokens_logprobs_and_versions(kind):
     """async_decode (the host reads step k's tokens while step k+1 runs; the next step's input tokens are read on
     the device; seeds and counters go to the device, the sampler runs there): the same tokens, log-probs and finish
     reasons as the synchronous loop, with stop tokens (a stopped request's row in the step after is dropped),
-    length limits (known on the host: the slot frees as early as before) and every sampler branch."""
+    length limits (known on the host: the slot frees in the step that draws the last token) and every sampler branch."""
     model = make_model(kind, seed=40)
     free = Generator(model, max_batch_size=4, max_seq_len=40).generate(
         PROMPTS, SamplingParams(temperature=0, max_new_tokens=8)
@@ -987,8 +986,7 @@ def test_async_decode_under_weight_swaps_preemption_and_abort(kind):
 
 def test_async_decode_returns_a_stopped_request_one_step_later():
     """step() with async_decode returns a request once the host has read its last token: a step later for a stop
-    token, whose slot then refills a step later; a length limit frees the slot in the step the last token is drawn,
-    as before. The synchronous loop is unchanged."""
+    token, whose slot then refills a step later; a length limit frees the slot in the step the last token is drawn."""
     model = make_model("llama", seed=42)
     probe = Generator(model, max_batch_size=2, max_seq_len=32).generate(
         [[1, 2, 3]], SamplingParams(temperature=0, max_new_tokens=4)
