@@ -506,6 +506,36 @@ class Generator:
                         torch._dynamo.mark_static_address(t)
             self._decode_step = torch.compile(self._decode_and_sample, mode=mode, dynamic=False)
 
+    @classmethod
+    def from_config(cls, model, rollout: RolloutConfig, tp_group=None, kv_pool: KVPool | None = None) -> Generator:
+        """The Generator the rollout rank runs, every knob from the config's `rollout` section (checked: one
+        ConfigError naming the key). With `kv_pool` (the eval generator's: the rollout generator's pool) only the
+        expected K/V per sequence is taken from the config; the pool's own size and blocks stay."""
+        device = next(model.parameters()).device
+        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
+        r = rollout
+        kv = kv_options(r) if kv_pool is None else {"kv_seq_tokens": r.kv_seq_tokens}
+        options = gpu_options(
+            device,
+            r.compile_decode,
+            r.flash_attn,
+            tp=tp,
+            kv_block_size=r.kv_block_size,
+            ride_tokens=r.prefill_ride_tokens,
+        )
+        # the eval generator keeps the default interrupt mode: it runs to completion between weight versions
+        interrupt = {"interrupt_mode": r.interrupt_mode} if kv_pool is None else {}
+        return cls(
+            model,
+            max_batch_size=r.max_batch_size,
+            max_seq_len=r.max_seq_len,
+            tp_group=tp_group,
+            kv_pool=kv_pool,
+            **interrupt,
+            **kv,
+            **options,
+        )
+
     def _kv_pool(
         self, pool: KVPool | None, block_size: int | None, tokens: int, fraction: float, max_seq_len: int
     ) -> KVPool:

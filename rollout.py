@@ -32,7 +32,7 @@ from collections.abc import Callable, Hashable
 import torch
 
 from buffer import Trajectory
-from generator import Generator, SamplingParams, gpu_options, kv_options
+from generator import Generator, SamplingParams
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.replica import ReplicaLink
 from parallel.trajectories import TrajectorySender
@@ -192,26 +192,7 @@ class RolloutWorker:
         )
         self.rows = {"train": {r["prompt_id"]: r for r in train_rows}, "test": {r["prompt_id"]: r for r in test_rows}}
         self.encoded: dict[tuple[str, int], list[int]] = {}
-        tp = 1 if replica is None else len(replica.ranks)
-        kv = kv_options(r)
-        self.gpu_options = gpu_options(
-            device,
-            r.compile_decode,
-            r.flash_attn,
-            tp=tp,
-            kv_block_size=r.kv_block_size,
-            ride_tokens=r.prefill_ride_tokens,
-        )
-        if replica is not None:
-            self.gpu_options["tp_group"] = replica.group
-        self.gen = Generator(
-            model,
-            max_batch_size=r.max_batch_size,
-            max_seq_len=r.max_seq_len,
-            interrupt_mode=r.interrupt_mode,
-            **kv,
-            **self.gpu_options,
-        )
+        self.gen = Generator.from_config(model, r, tp_group=None if replica is None else replica.group)
         self.eval_gen: Generator | None = None
         self.channel = Channel([head]) if self.is_leader else None
         self.outbox = TrajectorySender(head, cfg.dist.timeout_s)  # sent groups, kept until the head fetches them
@@ -322,14 +303,8 @@ class RolloutWorker:
             self.deferred_evals.append(msg)
             return
         if self.eval_gen is None:  # over the same (shared) weights and the same KV pool: no second cache
-            self.eval_gen = Generator(
-                self.model,
-                max_batch_size=self.cfg.rollout.max_batch_size,
-                max_seq_len=self.cfg.rollout.max_seq_len,
-                kv_pool=self.gen.kv_pool,
-                kv_seq_tokens=self.cfg.rollout.kv_seq_tokens,
-                **self.gpu_options,
-            )
+            tp_group = None if self.replica is None else self.replica.group
+            self.eval_gen = Generator.from_config(self.model, self.cfg.rollout, tp_group, kv_pool=self.gen.kv_pool)
         self.eval_gen.version = self.gen.version
         ids = msg["prompt_ids"]
         greedy = SamplingParams(

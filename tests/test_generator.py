@@ -790,6 +790,7 @@ def test_eval_and_rollout_generators_share_one_pool():
     are preempted and recomputed later); both give the outputs of generators with a pool each."""
     from types import SimpleNamespace
 
+    from config import RolloutConfig
     from rollout import RolloutWorker
 
     model = make_model("llama", seed=33)
@@ -801,9 +802,9 @@ def test_eval_and_rollout_generators_share_one_pool():
     )
 
     worker = RolloutWorker.__new__(RolloutWorker)  # just what on_eval reads: a follower's (it does not score)
-    worker.cfg = SimpleNamespace(rollout=SimpleNamespace(max_batch_size=4, max_seq_len=32, max_new_tokens=10))
-    worker.cfg.rollout.kv_seq_tokens = 8  # 32 tokens of pool: 4 slots
-    worker.model, worker.tok, worker.gpu_options = model, SimpleNamespace(eos_token_id=eos), {}
+    rollout = RolloutConfig(max_batch_size=4, max_seq_len=32, max_new_tokens=10, kv_seq_tokens=8)  # 32 tokens: 4 slots
+    worker.cfg, worker.replica = SimpleNamespace(rollout=rollout), None
+    worker.model, worker.tok = model, SimpleNamespace(eos_token_id=eos)
     worker.weights_incomplete, worker.eval_gen, worker.scorer, worker.is_leader = False, None, None, False
     worker.generate_s, worker.generate_cpu_s, worker.generate_steps = 0.0, 0.0, 0
     worker.encoded = {("test", i): p for i, p in enumerate(PROMPTS)}
