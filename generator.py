@@ -90,7 +90,9 @@ def _compiled_flex():
 
 
 LM_HEAD_BLOCK = 1024  # vocabulary rows per LM-head GEMM on CPU (see Generator._logits)
-PACKED_RIDE_TOKENS = RolloutConfig.prefill_ride_tokens  # packed prefill rows a compiled decode step carries
+# A prefill row "rides" in a decode step: a new prompt's token computed as one more row of the decode forward, packed
+# after the decode rows, instead of in a forward of its own. A compiled step carries up to this many such rows.
+PACKED_RIDE_TOKENS = RolloutConfig.prefill_ride_tokens
 
 
 def gpu_options(

@@ -264,11 +264,14 @@ class TrainHead:
         done = self.training_done or self.buffer.version >= self.cfg.train.total_steps
         return not done and self.discarded < limit and zero_variance(self.rewards(group))
 
-    def grant(self) -> None:
+    def send_grants(self) -> None:
+        """Send each rollout rank the groups admitted for it (head.Admission: as many as the staleness bound and
+        the rank's queue allow); a `grant` message names them."""
         for rank, groups in self.admission.grants().items():
             self.channel.send(rank, "grant", groups=groups)
 
-    def handle(self, src: int, msg: dict) -> None:
+    def on_message(self, src: int, msg: dict) -> None:
+        """One message from a rollout rank (rollout.py's docstring lists them)."""
         kind = msg["kind"]
         if src in self.pool.lost:  # a dropped rank woke up: its work was re-queued already
             return
@@ -286,7 +289,7 @@ class TrainHead:
                 self.buffer.discard(msg["group_id"])
                 self.discarded += 1
                 self.log.ledger(list(group), None, self.buffer.version, updated=False, dropped="zero_variance")
-                self.grant()  # its slot is refilled with a new group
+                self.send_grants()  # its slot is refilled with a new group
             else:
                 self.buffer.complete(msg["group_id"], group)
         elif kind == "eval_result":
@@ -303,10 +306,12 @@ class TrainHead:
         if "counters" in msg:
             self.pool.report(src, msg["counters"])
 
-    def pump(self, timeout_s: float) -> None:
+    def poll_messages(self, timeout_s: float) -> None:
+        """Handle what the rollout ranks sent (waiting up to `timeout_s` for the first), re-send a version a replica
+        missed, drop ranks silent past their deadline, and keep the train followers' broadcast alive."""
         msgs = self.channel.poll(timeout_s=timeout_s)
         for src, msg in msgs:
-            self.handle(src, msg)
+            self.on_message(src, msg)
         if self.resync_wanted:
             wanted = [r for r in self.resync_wanted if r in self.pool.live and self.resynced.get(r) != self.version]
             self.resync_wanted.clear()
@@ -326,7 +331,7 @@ class TrainHead:
         while missing := self.pool.not_ready():
             if time.monotonic() > deadline:
                 raise PeerTimeout(missing, self.cfg.dist.timeout_s, "rollout ranks to load the model (`ready`)")
-            self.pump(timeout_s=0.5)  # owes nothing yet, so nobody is dropped for silence here
+            self.poll_messages(timeout_s=0.5)  # owes nothing yet, so nobody is dropped for silence here
 
     def drop_rollout_rank(self, rank: int, why: str) -> None:
         """Continue without a stuck rollout rank: re-queue its groups, forget its eval share and weight sends."""
@@ -345,7 +350,7 @@ class TrainHead:
             flush=True,
         )
         self.log.event(self.buffer.version, "rollout_rank_lost", rank=rank, reason=why, requeued=requeued)
-        self.grant()
+        self.send_grants()
 
     # -- evaluation and weights -------------------------------------------------------------------
     def start_eval(self, version: int) -> None:
@@ -359,7 +364,7 @@ class TrainHead:
 
     def wait_evals(self) -> None:
         while self.evals.pending:
-            self.pump(timeout_s=1.0)
+            self.poll_messages(timeout_s=1.0)
 
     @contextlib.contextmanager
     def collective(self):
@@ -508,21 +513,21 @@ class TrainHead:
         if start_version == 0 or (cfg.logging.eval_every and start_version % cfg.logging.eval_every == 0):
             self.start_eval(start_version)  # (a resumed run redoes the eval its checkpoint preceded)
             self.wait_evals()
-        self.grant()
+        self.send_grants()
         self.metrics.start()
         while self.buffer.version < cfg.train.total_steps:
             if cfg.train.max_train_seconds and self.metrics.elapsed_s() > cfg.train.max_train_seconds:
                 break
             t_wait = time.monotonic()
             while not self.buffer.ready():
-                self.pump(timeout_s=0.5)
-                self.grant()
+                self.poll_messages(timeout_s=0.5)
+                self.send_grants()
             self.metrics.trainer_idle(time.monotonic() - t_wait)
             batch = self.buffer.take()
             stats, updated = self.train_on(batch)
             stats["dropped_groups"], self.discarded = self.discarded, 0
             sync_s = self.sync_weights(changed=updated)
-            self.grant()  # capacity grew with the version
+            self.send_grants()  # capacity grew with the version
             sync = {
                 "weight_sync_bytes": self.sync_bytes,
                 "weight_sync_predicted_bytes": self.sync_predicted_bytes,

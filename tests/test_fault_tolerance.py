@@ -316,18 +316,18 @@ def test_a_relay_lost_in_a_sync_gets_no_work_and_its_mate_gets_the_version_again
 
     monkeypatch.setattr(train, "send_version", send_version)
     head.buffer.weights_sent(0)
-    head.grant()  # (0 + eta + 1) * B = 4 groups, 2 per rank
+    head.send_grants()  # (0 + eta + 1) * B = 4 groups, 2 per rank
     assert sorted(t.rank for t in head.buffer.in_flight.values()) == [1, 1, 2, 2]
     head.inbox = DeliveredInbox()
     for ticket in [t for t in head.buffer.in_flight.values() if t.rank == 2]:
         traj = Trajectory(ticket.prompt_id, 0, [1], [2], [0.0], [0], 1.0, group_id=ticket.group_id)
         head.inbox.groups[(2, ticket.group_id)] = [traj]
-        head.handle(2, {"kind": "delivered", "group_id": ticket.group_id, "counters": {}})
+        head.on_message(2, {"kind": "delivered", "group_id": ticket.group_id, "counters": {}})
     head.buffer.take()  # version 1
     sent_before = len(channel.sent)
 
     head.sync_weights()
-    head.grant()  # what run() does next
+    head.send_grants()  # what run() does next
 
     assert rounds == [[1], [2]]  # one relay per machine; then the orphaned mate straight from the owners
     after = channel.sent[sent_before:]
@@ -356,7 +356,7 @@ def test_dynamic_sampling_drops_flat_groups_into_the_ledger_and_refills(world_of
     head = make_head(tmp_path, channel, "staleness.max_staleness=0", "train.dynamic_sampling_max_discards=1")
     head.inbox = DeliveredInbox()
     head.buffer.weights_sent(0)
-    head.grant()  # (0 + 0 + 1) * B = 2 groups
+    head.send_grants()  # (0 + 0 + 1) * B = 2 groups
     first = sorted(head.buffer.in_flight)
     assert first == [0, 1]
 
@@ -365,7 +365,7 @@ def test_dynamic_sampling_drops_flat_groups_into_the_ledger_and_refills(world_of
         head.inbox.groups[(1, group_id)] = [
             Trajectory(ticket.prompt_id, s, [1], [2], [0.0], [0], r, group_id=group_id) for s, r in enumerate(rewards)
         ]
-        head.handle(1, {"kind": "delivered", "group_id": group_id, "counters": {}})
+        head.on_message(1, {"kind": "delivered", "group_id": group_id, "counters": {}})
 
     deliver(0, [1.0])  # one sample: zero variance -> dropped, and group 2 is granted in its place
     assert head.buffer.discarded == [0] and sorted(head.buffer.in_flight) == [1, 2] and head.discarded == 1

@@ -194,7 +194,7 @@ def run_worker(tmp_path, nproc, mode):
 
 
 def test_rollout_to_head_to_follower_gives_every_train_rank_todays_list(tmp_path):
-    """3 ranks: train head 0 (the real TrainHead.handle / train_on), train follower 1 (the real TrainFollower),
+    """3 ranks: train head 0 (the real TrainHead.on_message / train_on), train follower 1 (the real TrainFollower),
     rollout leader 2 (the real RolloutWorker.send_results / on_fetch). Every train rank must train on exactly the
     list the JSON path gave it: the rollout's trajectories through to_dict -> JSON -> from_dict, with the head's
     advantages."""
@@ -291,9 +291,9 @@ def worker(tmp: str, mode: str) -> None:
         head.buffer.weights_sent(0)
         expected = []
         for _ in range(2):
-            head.grant()
+            head.send_grants()
             while not head.buffer.ready():
-                head.pump(timeout_s=0.5)
+                head.poll_messages(timeout_s=0.5)
             batch = head.buffer.take()
             head.buffer.weights_sent(head.buffer.version)
             want = []
