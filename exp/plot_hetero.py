@@ -1,7 +1,7 @@
 """Plot exp/hetero_cpu.py's experiment: predicted and measured step time per plan (each run's median as a dot), and
 measured trained tokens / s.
 
-    python exp/plot_hetero.py runs/hetero_cpu-<time>/hetero_summary.json --out exp/hetero_cpu.png
+    python exp/plot_hetero.py runs/hetero_cpu-<time>/hetero_summary.json --out exp/results/hetero_cpu/hetero.png
 """
 
 from __future__ import annotations

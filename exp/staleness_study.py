@@ -1,8 +1,8 @@
 """Naive vs decoupled PPO under staleness (AReaL's Table 2, in shape, on CPU): the CPU demo's job for every
 (variant, η, seed), interleaved so the machine's drift spreads over every cell, then a table and summary.json.
 
-    python exp/staleness_study.py --out exp/staleness_study                     # the full grid, lr 5e-5
-    python exp/staleness_study.py --lr 1e-4 --out exp/staleness_study/lr1e-4    # at the demo's lr
+    python exp/staleness_study.py --out runs/staleness_study                    # the full grid, lr 5e-5
+    python exp/staleness_study.py --lr 1e-4 --out runs/staleness_study/lr1e-4   # at the demo's lr
     python exp/staleness_study.py --etas 0,8 --seeds 0 --seconds 30 --out /tmp/smoke   # a smoke run
 
   naive      π_prox = π_behav (train.recompute_prox_logprobs=false): the clip acts around the behaviour policy
@@ -104,7 +104,7 @@ def main() -> None:
         "--lr",
         type=float,
         default=5e-5,
-        help="half the demo's 1e-4: at 1e-4 the policy moves so far per version that even decoupled PPO loses 4 points at eta 8 (exp/EXPERIMENTS.md)",
+        help="half the demo's 1e-4: at 1e-4 the policy moves so far per version that even decoupled PPO loses points at eta 8 (docs/results.md)",
     )
     ap.add_argument("--minibatches", type=int, default=2, help="PPO minibatches per step (> 1: the clip acts)")
     ap.add_argument("--parallel", type=int, default=2, help="runs at once")
@@ -116,7 +116,7 @@ def main() -> None:
         "rollout ranks, or the queue, not eta, bounds the staleness (the demo's 16 stops it at 2)",
     )
     ap.add_argument("--extra", nargs="*", default=[], help="more key=value overrides for every run")
-    ap.add_argument("--out", default="exp/staleness_study")
+    ap.add_argument("--out", default="runs/staleness_study")
     args = ap.parse_args()
     etas = [int(x) for x in args.etas.split(",")]
     seeds = [int(x) for x in args.seeds.split(",")]
