@@ -18,12 +18,24 @@ import math
 import os
 from collections import deque
 from dataclasses import asdict, dataclass, field, replace
+from functools import cached_property
 from pathlib import Path
 
 import yaml
 
 from cpu_bench.emulation import Emulation
 from errors import HexrlError
+from parallel.sync_layout import (  # noqa: F401 -- the planner prices the runtime's own layout
+    SYNC_CHECKSUM_BYTES,
+    Links,
+    SyncBucket,
+    assign_senders,
+    hf_param_table,
+    hf_shape,
+    param_stage,
+    sync_buckets,
+    sync_bytes_sent,
+)
 
 ROOT = Path(__file__).resolve().parent
 MODELS_DIR = ROOT / "exp" / "models"
@@ -159,15 +171,18 @@ class Cluster:
             machines = [i for i in machines if role in self.busy_devices.get(i, {})] or machines
         return min((self.speed(i, kind, role) for i in machines), default=1.0)
 
+    @cached_property
+    def links(self) -> Links:
+        return Links(
+            tuple(m.gpu_type for m in self.machines),
+            {k: g.intra_gbps for k, g in self.gpu_types.items()},
+            self.inter_gbps,
+            self.machine_gbps,
+        )
+
     def link_gbps(self, a: int, b: int) -> float:
         """Bandwidth between one GPU on machine a and one on machine b (a == b: NVLink)."""
-        ma, mb = self.machines[a], self.machines[b]
-        if a == b:
-            return self.gpu_types[ma.gpu_type].intra_gbps
-        key = (min(a, b), max(a, b))
-        if key in self.machine_gbps:
-            return self.machine_gbps[key]
-        return self.inter_gbps[tuple(sorted((ma.gpu_type, mb.gpu_type)))]
+        return self.links.gbps(a, b)
 
     def group_gbps(self, machines: set[int] | list[int]) -> float:
         """Slowest link inside a group of GPUs that lives on these machines."""
@@ -366,19 +381,7 @@ class ModelSpec:
 
 def model_from_config(cfg: dict, name: str = "model") -> ModelSpec:
     try:
-        hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
-        spec = ModelSpec(
-            name=str(cfg.get("_name", name)),
-            layers=int(cfg["num_hidden_layers"]),
-            hidden=hidden,
-            intermediate=int(cfg["intermediate_size"]),
-            heads=heads,
-            kv_heads=int(cfg.get("num_key_value_heads") or heads),
-            head_dim=int(cfg.get("head_dim") or hidden // heads),
-            vocab=int(cfg["vocab_size"]),
-            tied=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
-        )
+        spec = ModelSpec(name=str(cfg.get("_name", name)), **asdict(hf_shape(cfg)))
     except (KeyError, TypeError, ValueError) as e:
         raise SpecError(f"model config {name}: missing or bad field {e}") from None
     if min(spec.layers, spec.hidden, spec.heads, spec.kv_heads, spec.vocab, spec.intermediate) <= 0:
@@ -1012,102 +1015,6 @@ def train_tokens_per_s(wl: Workload, train_s: float) -> float:
 
 
 # ----------------------------------------------------------------------------- weight sync, step
-
-
-SYNC_CHECKSUM_BYTES = 8  # each bucket carries its int64 checksum after its payload (padded to 8 bytes)
-
-
-@dataclass(frozen=True)
-class SyncBucket:
-    """One weight-sync bucket: consecutive HF tensors of one pipeline stage, in one dtype."""
-
-    stage: int
-    names: tuple[str, ...]
-    numels: tuple[int, ...]
-    itemsize: int
-
-    @property
-    def payload_bytes(self) -> int:
-        return sum(self.numels) * self.itemsize
-
-    @property
-    def wire_bytes(self) -> int:
-        """What one send of this bucket moves: the payload padded to 8 bytes, then its checksum."""
-        return -(-self.payload_bytes // 8) * 8 + SYNC_CHECKSUM_BYTES
-
-
-def hf_param_table(model: ModelSpec) -> list[tuple[str, int]]:
-    """The HF Llama / Qwen2 / Mistral state dict as weight sync sends it: (name, numel) in state-dict order; a tied
-    model sends no lm_head (the receiver's lm_head is its embedding)."""
-    q, kv, h = model.heads * model.head_dim, model.kv_heads * model.head_dim, model.hidden
-    out = [("model.embed_tokens.weight", model.vocab * h)]
-    for i in range(model.layers):
-        p = f"model.layers.{i}."
-        for proj, rows in (("q_proj", q), ("k_proj", kv), ("v_proj", kv)):
-            out.append((f"{p}self_attn.{proj}.weight", rows * h))
-            if model.qkv_bias:
-                out.append((f"{p}self_attn.{proj}.bias", rows))
-        out.append((f"{p}self_attn.o_proj.weight", h * q))
-        out += [(f"{p}mlp.{m}_proj.weight", h * model.intermediate) for m in ("gate", "up", "down")]
-        out += [(f"{p}input_layernorm.weight", h), (f"{p}post_attention_layernorm.weight", h)]
-    out.append(("model.norm.weight", h))
-    if not model.tied:
-        out.append(("lm_head.weight", model.vocab * h))
-    return out
-
-
-def param_stage(name: str, stage_layers: list[tuple[int, int]]) -> int:
-    """The pipeline stage that owns an HF tensor: embeddings on the first, the final norm and head on the last."""
-    if name.startswith("model.embed_tokens"):
-        return 0
-    if name.startswith("model.layers."):
-        layer = int(name.split(".")[2])
-        return next(s for s, (a, b) in enumerate(stage_layers) if a <= layer < b)
-    return len(stage_layers) - 1
-
-
-def sync_buckets(
-    params: list[tuple[str, int]], stage_layers: list[tuple[int, int]], itemsize: int, bucket_bytes: int
-) -> list[SyncBucket]:
-    """THE weight-sync schedule, for the runtime (which sends exactly these buckets) and the planner (which prices
-    them): per stage in order, consecutive tensors packed while the payload stays within `bucket_bytes`; a tensor
-    larger than that travels alone."""
-    by_stage: dict[int, list[tuple[str, int]]] = {}
-    for name, numel in params:
-        by_stage.setdefault(param_stage(name, stage_layers), []).append((name, numel))
-    out = []
-    for stage in sorted(by_stage):
-        names: list[str] = []
-        numels: list[int] = []
-        for name, numel in by_stage[stage]:
-            if names and (sum(numels) + numel) * itemsize > bucket_bytes:
-                out.append(SyncBucket(stage, tuple(names), tuple(numels), itemsize))
-                names, numels = [], []
-            names.append(name)
-            numels.append(numel)
-        if names:
-            out.append(SyncBucket(stage, tuple(names), tuple(numels), itemsize))
-    return out
-
-
-def sync_bytes_sent(buckets: list[SyncBucket], rollout_machines: int) -> int:
-    """Bytes the train ranks send per version: each bucket once to one receiver (relay) per rollout machine."""
-    return rollout_machines * sum(b.wire_bytes for b in buckets)
-
-
-def assign_senders(owner_machines: list[list[int]], rollout_machines: list[int], gbps) -> dict[tuple[int, int], int]:
-    """(stage, rollout machine) -> the DP replica whose owner of that stage sends it its buckets. Every DP replica
-    holds the same weights, so each rollout machine takes each stage from its best-connected replica, ties going to
-    the least-loaded one: the fan-out spreads over the DP replicas. `owner_machines[stage][dp]` is where that
-    owner runs; `gbps(a, b)` the bandwidth between machines a and b. The runtime and the planner both call this."""
-    load: dict[tuple[int, int], int] = {}
-    out: dict[tuple[int, int], int] = {}
-    for m in sorted(rollout_machines):
-        for stage, machines in enumerate(owner_machines):
-            dp = max(range(len(machines)), key=lambda d: (gbps(machines[d], m), -load.get((stage, d), 0), -d))
-            out[(stage, m)] = dp
-            load[(stage, dp)] = load.get((stage, dp), 0) + 1
-    return out
 
 
 def sync_times(
