@@ -14,8 +14,8 @@ at least its fraction of a core. A wait on another rank inside a piece (a pipeli
 the work before it is padded first (Throttle.waiting), so each micro-batch of a slow stage is slow when it runs.
 It only ever slows a rank down, is off unless the plan's cluster declares it, and every metric line of an emulated
 run says so (`emulated`). The planner prices the type at the fractions of its YAML numbers
-(cost_model.Cluster.speed), so keep those this machine's: a device profile of this machine (`schedule.py profile`)
-applies to every emulated type of a cluster (cost_model.apply_profile).
+(specs.Cluster.speed), so keep those this machine's: a device profile of this machine (`schedule.py profile`)
+applies to every emulated type of a cluster (profile_fit.apply_profile).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ applied it (a barrier):
            fp32 buckets (another copy), checksum each through whole-bucket int64 intermediates, send every bucket
            to every rollout rank one rank after another; each rollout rank allocates fp32 receive buffers for the
            whole model, receives everything, then checksums and applies it.
-  runtime  cost_model.sync_buckets streamed from the owner in the compute dtype, one copy per machine (a relay
+  runtime  sync_layout.sync_buckets streamed from the owner in the compute dtype, one copy per machine (a relay
            forwards to its machine-mates), at most 2 buckets alive per side, checksums a chunk at a time.
   shared   (--handover wire,shared) the same, but the owner hands each bucket to the relay in shared memory
            (dist.handover=shared: CUDA IPC on a GPU, a /dev/shm file on CPU); the relay forwards on the wire.
@@ -19,7 +19,7 @@ Runs interleave (before, runtime, before, ...) and report medians; both paths' r
 trainer's weights in `--dtype` (checked).
 
 Prediction: cost_model.sync_seconds -- the planner's formula over the same buckets -- with the achieved link
-bandwidth and per-version latency fitted (schedule.calibrate's least squares) on two SMALLER models' runtime syncs,
+bandwidth and per-version latency fitted (calibration.calibrate's least squares) on two SMALLER models' runtime syncs,
 then applied to the benchmark model it has never seen. The error is reported.
 """
 
@@ -37,7 +37,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import cost_model as cm  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
@@ -49,6 +48,7 @@ from parallel.weight_sync import (  # noqa: E402
     send_version,
     weights_message,
 )
+from planner import cost_model, specs  # noqa: E402
 
 # (hidden, layers, intermediate, vocab): two small models to fit the link on, then the benchmark model (~42M)
 SHAPES = {"fit-a": (256, 4, 768, 8000), "fit-b": (384, 6, 1024, 12000), "bench": (512, 8, 1536, 16000)}
@@ -246,15 +246,17 @@ def report(results: dict, args) -> None:
     one_machine = [[0]]
 
     def predict(buckets, eff):
-        return cm.sync_seconds(buckets, replicas, one_machine, lambda a, b: 1.0, eff)
+        return cost_model.sync_seconds(buckets, replicas, one_machine, lambda a, b: 1.0, eff)
 
     # fit (latency, achieved GB/s) on the two small models: predicted = latency + T(1 GB/s) / link_eff
-    xs = [predict(results[k]["buckets"], cm.Efficiency(link_eff=1.0, sync_latency_s=0.0)) for k in ("fit-a", "fit-b")]
+    xs = [
+        predict(results[k]["buckets"], specs.Efficiency(link_eff=1.0, sync_latency_s=0.0)) for k in ("fit-a", "fit-b")
+    ]
     ys = [results[k]["seconds"]["runtime"] for k in ("fit-a", "fit-b")]
     slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
     bench = results["bench"]
     # the two small models can both be latency-bound (on a GPU, ~0.1 s each): no bandwidth to fit, no prediction
-    eff = cm.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0])) if slope > 0 else None
+    eff = specs.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0])) if slope > 0 else None
     predicted = predict(bench["buckets"], eff) if eff else None
     before, runtime = bench["seconds"].get("before"), bench["seconds"]["runtime"]
     print(

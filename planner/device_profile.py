@@ -1,7 +1,7 @@
 """Measuring a device for the planner (`schedule.py profile`): the runtime's own code -- GEMMs at training shapes,
 large copies, rollout.Generator decode and prefill steps, parallel.trainer.Trainer steps and, on CPU, a weight-sync
 bucket hop between two processes -- timed on this machine's device (CUDA if there is one, else one CPU core), then
-fitted by cost_model.finish_profile into the cost model's constants (mfu_train, mfu_infer, hbm_eff,
+fitted by profile_fit.finish_profile into the cost model's constants (mfu_train, mfu_infer, hbm_eff,
 decode_overhead_s, train_overhead_s, mfu_decode; link_gbps and sync_latency_s). Apart from the planner's arithmetic,
 which stays in cost_model (no torch), this is the one place the planner side runs the runtime."""
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import replace
 from datetime import timedelta
 
-import cost_model as cm
+from planner import cost_model, profile_fit, specs
 
 
 def _device_name(torch, device) -> str:
@@ -61,7 +61,7 @@ PROFILE_SHAPES = {
         # overhead line cannot hold: such points pulled its intercept below 0 in one profile of three
         "decode": [(1, 64), (1, 192), (1, 320)],
         # a few rows (a small replica batch, exp/hetero_cpu.py's 8) and the CPU demo's max_batch_size at short
-        # contexts: they tell the decode roof's two forms apart (cost_model.finish_profile)
+        # contexts: they tell the decode roof's two forms apart (profile_fit.finish_profile)
         "decode_compute": [(8, 64), (64, 16), (64, 32)],
         "compute_models": 2,
         "decode_steps": 16,
@@ -143,11 +143,11 @@ def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg), cm.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
+    return LlamaForCausalLM(cfg), specs.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
 
 
 def profile_device(
-    gpu: cm.GPUType,
+    gpu: specs.GPUType,
     seconds: float = 120.0,
     log=print,
     nominal: str = "type",
@@ -163,7 +163,7 @@ def profile_device(
       copy      large device-to-device copies (bytes read + written); gemm and copy are the peaks, measured first and
                 last (the faster pass counts)
       decode    rollout.Generator steps over random HF Llamas at a few batch sizes and contexts; fitted by least
-                squares to step = bytes / bandwidth + overhead, bytes = cm.decode_bytes_per_step (weights + the KV read)
+                squares to step = bytes / bandwidth + overhead, bytes = cost_model.decode_bytes_per_step (weights + the KV read)
       prefill   Generator prefill of fresh prompts: step = FLOPs / rate + overhead
       decode_compute  Generator steps of a full batch at a short context (CPU): compute-bound by the raw rates;
                 step = FLOPs / rate + the decode overhead (mfu_decode); and of a few rows: with them the fit also
@@ -196,7 +196,7 @@ def profile_device(
     cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
     A training step's work is padded by its CPU time in the runtime (after the step, or before each wait of a
     pipeline stage on its neighbours) and the link is padded by its wall time, exactly: neither is throttled here, the link and the TP and DP steps are not measured, and a planner given this
-    machine's profile first keeps its training constants for every type (cost_model.apply_profile).
+    machine's profile first keeps its training constants for every type (profile_fit.apply_profile).
     `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
     are busy beside each rank: they share its cores' caches and memory bandwidth, and a memory-bound step's CPU
@@ -208,7 +208,7 @@ def profile_device(
     step (the co-load peers' shape) again beside the same co-load with its trainers under each type's throttle in
     turn, its wall and CPU seconds per step (`decode_beside`): a plan puts a rollout rank beside trainers of any type,
     and a faster type's trainers keep more of the shared cores busy -- the step costs more CPU time and waits for a
-    core its padding does not absorb (exp/bench_cotenancy.py). cost_model.finish_profile makes them
+    core its padding does not absorb (exp/bench_cotenancy.py). profile_fit.finish_profile makes them
     TypeEfficiency.decode_beside."""
     import time
 
@@ -219,11 +219,11 @@ def profile_device(
     start = time.perf_counter()
     cuda = torch.cuda.is_available()
     if co_load < 0 or (co_load and cuda):
-        raise cm.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
+        raise specs.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
     if not 0 <= co_load_trainers <= co_load:
-        raise cm.SpecError(f"co_load_trainers {co_load_trainers}: give 0 to co_load ({co_load}) of the peers")
+        raise specs.SpecError(f"co_load_trainers {co_load_trainers}: give 0 to co_load ({co_load}) of the peers")
     if beside and (throttle is None or not co_load_trainers):
-        raise cm.SpecError("beside: an emulated type's profile (a throttle) with co-load trainers to put beside it")
+        raise specs.SpecError("beside: an emulated type's profile (a throttle) with co-load trainers to put beside it")
     device = torch.device("cuda" if cuda else "cpu")
     if not cuda:
         torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
@@ -290,7 +290,7 @@ def profile_device(
             step(gen)
 
     # (e') train points again, tensor- and data-parallel over two processes of this machine (CPU: one GPU has no
-    # second device; a type profile's training is the machine's, cost_model.apply_profile). Both ranks keep both of
+    # second device; a type profile's training is the machine's, profile_fit.apply_profile). Both ranks keep both of
     # the host's cores busy, so another tenant's burst shows in them more than in any one-process point: they run in
     # two passes, here and after the training points, and each point keeps the faster pass (as the peaks do)
     train_dims = shapes["models"][shapes.get("train_model", shapes["work_model"])]
@@ -362,7 +362,7 @@ def profile_device(
                         "params": spec.params,
                         "batch": b,
                         "context": context,
-                        "bytes": cm.decode_bytes_per_step(spec, b, context, nbytes),
+                        "bytes": cost_model.decode_bytes_per_step(spec, b, context, nbytes),
                         "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
                         "step_s": t,
                     }
@@ -440,7 +440,7 @@ def profile_device(
         )
     if nominal == "measured":
         gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
-    return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
+    return profile_fit.finish_profile(out, gpu, log, time.perf_counter() - start)
 
 
 def _faster_pass(passes: list[dict]) -> dict:
@@ -721,7 +721,7 @@ PROFILE_MINIBATCHES = 2  # PPO minibatches of a profiled train step: the proxima
 
 def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype, dp: int = 1):
     """The Trainer a profile times: one stage of every layer over dp x tp ranks (the world), 2 PPO minibatches (so the
-    proximal log-prob recompute runs: the 4 passes cm.Workload().train_passes counts); over DP without FSDP, as the
+    proximal log-prob recompute runs: the 4 passes specs.Workload().train_passes counts); over DP without FSDP, as the
     CPU recipes train (exp/configs/cpu_demo.yaml: train.shard_state false)."""
     from config import TrainConfig
     from parallel.groups import build_groups
@@ -753,7 +753,7 @@ def _train_point(
         "optimizer_steps": optimizer_steps,
         "trajectories": n,
         "tokens": n * length,
-        "flops": cm.Workload().train_passes * n * per_seq,  # forward + backward + the proximal recompute
+        "flops": specs.Workload().train_passes * n * per_seq,  # forward + backward + the proximal recompute
         "micro_batch_tokens": micro_batch_tokens,
         # micro-batches per minibatch as the Trainer packs them (its n / optimizer_steps sequences)
         "microbatches": len(dynamic_microbatches([length] * (n // optimizer_steps), micro_batch_tokens)),
@@ -797,7 +797,7 @@ TRAIN_DP = 2  # the data-parallel degree of its DP steps
 
 def _parallel_step_loop(
     rank: int, init: str, dims: tuple, points: list, micro_batch_tokens: int, budget_s: float, dp: int, tp: int
-) -> tuple[list[float], cm.ModelSpec]:
+) -> tuple[list[float], specs.ModelSpec]:
     """Both sides of the TP or DP steps (rank 0 here, rank 1 a spawned process): the same random Llama and batches on
     each, Trainer.train_step at dp x tp; per point one warm-up, then steps until rank 0's share of the budget is spent
     (at least 3, at most 20). A step's seconds are the larger of the two ranks' CPU seconds: the ranks wait for each
@@ -848,7 +848,7 @@ def _profile_train_parallel(
 ) -> dict:
     """(CPU) train points again as steps over two processes of this machine, tensor-parallel (tp 2) or
     data-parallel (dp 2): what such a rank does that the cost model's FLOPs / tp (or / dp) leave out
-    (cost_model.tp_unsplit_fit: per token and per optimizer step, hence two sizes; cost_model.dp_overhead_fit), the
+    (profile_fit.tp_unsplit_fit: per token and per optimizer step, hence two sizes; profile_fit.dp_overhead_fit), the
     all-reduces priced over `intra_gbps`, the profiled type's link inside a machine. `points` are
     (seed, (trajectories, prompt, response)). Returns {"dp", "tp", "layers", "hidden", "passes", "bytes",
     "micro_batch_tokens", "optimizer_steps", "intra_gbps", "model_config", "points": [{"trajectories", "prompt",
@@ -882,7 +882,7 @@ def _profile_train_parallel(
         "tp": tp,
         "layers": spec.layers,
         "hidden": spec.hidden,
-        "passes": cm.Workload().train_passes,
+        "passes": specs.Workload().train_passes,
         "bytes": 4,  # fp32 on CPU
         "micro_batch_tokens": micro_batch_tokens,
         "optimizer_steps": PROFILE_MINIBATCHES,
