@@ -214,10 +214,9 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "reward_s": p.wl.reward_s,
         "step_s": ev.step_s,
         "tokens_per_s": ev.tokens_per_s,
-        # CPU clusters: machine -> devices busy at once, the core shares were priced with (Cluster.speed)
-        **({"busy_devices": {str(m): dict(b) for m, b in ev.busy_devices.items()}} if ev.busy_devices else {}),
-        # CPU emulation: type -> its replicas' decode contention beside this split's trainers (Cluster.decode_speed)
-        **({"decode_contention": dict(ev.decode_contention)} if ev.decode_contention else {}),
+        # a CPU host standing in for the cluster: what its pricing settled at (cpu_bench/host.HostSpeeds.settle:
+        # machine -> role -> devices busy at once; GPU type -> its replicas' decode contention)
+        **json.loads(json.dumps(ev.host_pricing)),
         "dollars_per_hour": dollars,
         "tokens_per_dollar": ev.tokens_per_s * 3600 / dollars if dollars > 0 else None,
     }
@@ -556,7 +555,7 @@ def profile_main(argv: list[str]) -> int:
     from planner.device_profile import profile_device
 
     # an emulated type is profiled as its ranks run: every Generator step padded by its throttle
-    emulation = cluster.gpu(gpu_type).emulate
+    emulation = cluster.speeds.emulated.get(gpu_type)
     throttle = None if emulation is None else Throttle(emulation, gpu_type)
     if throttle is not None:
         print(f"profiling emulated type {gpu_type} under its throttle ({asdict(emulation)})")
@@ -564,8 +563,8 @@ def profile_main(argv: list[str]) -> int:
     # beside its rollout ranks (TypeEfficiency.decode_beside); its own type's first
     beside = None
     if throttle is not None and a.co_load_trainers:
-        emulated = [gpu_type] + sorted(t for t, g in cluster.gpu_types.items() if g.emulate and t != gpu_type)
-        beside = {t: Throttle(cluster.gpu(t).emulate, t) for t in emulated}
+        emulated = [gpu_type] + sorted(t for t in cluster.speeds.emulated if t != gpu_type)
+        beside = {t: Throttle(cluster.speeds.emulated[t], t) for t in emulated}
     prof = profile_device(
         cluster.gpu(gpu_type),
         a.seconds,

@@ -12,7 +12,7 @@ Two measurements, each side by side with its baseline in one run (this machine i
            weights, the working set fell out of the caches meanwhile (other processes, other tenants of the host).
 The throttle pads a piece by its CPU time (cost / fraction), so what the work loses after a pause it also pays
 1 / f times over: the emulated device is slower than asked by achieved / wanted. The cost model prices the fractions
-as asked (specs.Cluster.speed), so this ratio is what an emulated run's step time exceeds its prediction by.
+as asked (cpu_bench/host.HostSpeeds.speed), so this ratio is what an emulated run's step time exceeds its prediction by.
 """
 
 from __future__ import annotations

@@ -57,21 +57,23 @@ def main(argv: list[str] | None = None) -> int:
         "sync_s": ev.train_sync_s,  # the train side's sends, as weight_sync_s measures them
         "ready_s": ev.sync_s,  # until every replica holds the version
         "rollout_s": ev.rollout_s,
-        "busy_devices": {str(m): dict(b) for m, b in ev.busy_devices.items()},
+        "busy_devices": {str(m): dict(b) for m, b in ev.host_pricing.get("busy_devices", {}).items()},
     }
     error = (predicted["step_s"] - measured["step_s"]) / measured["step_s"]
-    priced = cluster.with_busy_devices(ev.busy_devices)
+    busy_devices = ev.host_pricing.get("busy_devices", {})
+    priced = cluster.speeds.with_busy_devices(busy_devices) if busy_devices else cluster.speeds
 
     def machine_speed(m: Machine) -> str:
-        """A machine's core share per role its devices have (Cluster.speed), and the devices busy while one works."""
-        seen = ev.busy_devices.get(m.index, {})
-        if m.host_cores is None or not seen:
+        """A machine's core share per role its devices have (HostSpeeds.speed), and the devices busy while one works."""
+        seen = busy_devices.get(m.index, {})
+        cores = priced.host_cores[m.index] if seen else None
+        if cores is None or not seen:
             return f"machine {m.index}: {priced.speed(m.index):.3g}"
         roles = ", ".join(
             f"{role} {priced.speed(m.index, 'compute', role):.3g} ({busy:.2f} of {m.gpus} devices busy while one works)"
             for role, busy in seen.items()
         )
-        return f"machine {m.index}: {roles} on {m.host_cores:g} cores"
+        return f"machine {m.index}: {roles} on {cores:g} cores"
 
     speed = "; ".join(machine_speed(m) for m in cluster.machines)
     print(f"run {run}: {len(steps)} steps, {len(steady)} steady (first {a.skip} and those after an eval left out)")
@@ -81,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{wl.ppo_minibatches} minibatch(es) of {wl.microbatch_tokens}-token micro-batches, {wl.train_passes:g} passes"
     )
     print(f"split: train dp {plan['train']['dp']} x tp {plan['train']['tp']} x pp {plan['train']['pp']}, "
-          f"{len(ev.rollout.replicas)} rollout replica(s); device speed (Cluster.speed) {speed}")  # fmt: skip
+          f"{len(ev.rollout.replicas)} rollout replica(s); device speed (HostSpeeds.speed) {speed}")  # fmt: skip
     print(f"{'':10s} {'predicted':>10s} {'measured':>10s}")
     for key, label, mkey in (
         ("rollout_s", "rollout", "rollout_busy_s"),

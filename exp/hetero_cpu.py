@@ -16,7 +16,7 @@ same price per rank, so that neither all-of-one-type cluster of the same budget 
   all-<type>     the planner's plan for the same machines all of one type (the same budget, prices equal)
 
 Each plan is planned and priced with the device profile of this machine (--profile, `schedule.py profile`), whose
-constants apply to every emulated type at its fractions (profile_fit.apply_profile, Cluster.speed), and then with
+constants apply to every emulated type at its fractions (profile_fit.apply_profile, cpu_bench/host.HostSpeeds), and then with
 any further --profile of one emulated type, measured under that type's throttle (`schedule.py profile --cluster
 <this cluster> --gpu-type <type>`; exp/hetero_cpu.sh takes all three), which replaces that type's constants. Each run is
 train.py on the CPU demo's job (exp/configs/cpu_demo.yaml: 16 prompts x 8 samples, eta 4; --max-batch 8 sequences
@@ -53,11 +53,7 @@ sys.path.insert(0, str(ROOT))
 
 import schedule  # noqa: E402
 from config import load_config  # noqa: E402
-from planner import (  # noqa: E402
-    profile_fit,
-    search,  # noqa: E402
-    specs,
-)
+from planner import profile_fit, search, specs  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "exp"))
 from planner.run_prediction import mean_prompt_tokens, train_passes  # noqa: E402
@@ -290,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rollout_s": ev.rollout_s,
                     "train_s": ev.train_s,
                     "sync_s": ev.sync_s,
-                    "decode_contention": ev.decode_contention,
+                    "decode_contention": ev.host_pricing.get("decode_contention", {}),
                 },
                 "measured_step_s": statistics.median(r["step_s"] for r in rows),
                 "measured_step_s_per_run": [statistics.median(r["step_s"] for r in rr) for rr in per_run if rr],
@@ -351,11 +347,13 @@ def generation(per_run: list[list[dict]], replicas: int, ev: search.Evaluation, 
 
     wall, cpu, pad, steps = (per_step(k) for k in ("rollout_generate_s", "rollout_generate_cpu_s",
                                                     "rollout_throttle_s", "rollout_generate_steps"))  # fmt: skip
-    cluster = specs.cluster_from_dict(spec, "cluster").with_busy_devices(ev.busy_devices, ev.decode_contention)
+    speeds = specs.cluster_from_dict(spec, "cluster").speeds.with_busy_devices(
+        ev.host_pricing.get("busy_devices", {}), ev.host_pricing.get("decode_contention", {})
+    )
     rounds = [replica.cost.round_s for replica, _ in ev.rollout.replicas]
-    # the round's CPU work: the round at the speed it was priced at (Cluster.decode_speed: the bandwidth fraction,
+    # the round's CPU work: the round at the speed it was priced at (HostSpeeds.decode_speed: the bandwidth fraction,
     # less the decode contention, which is wall time)
-    priced = [replica.cost.round_s * cluster.decode_speed(replica.gpu_type) for replica, _ in ev.rollout.replicas]
+    priced = [replica.cost.round_s * speeds.decode_speed(replica.gpu_type) for replica, _ in ev.rollout.replicas]
     return {
         "wall_s": wall,
         "cpu_s": cpu,

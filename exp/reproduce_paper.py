@@ -46,13 +46,7 @@ sys.path.insert(0, str(ROOT / "exp"))
 
 import schedule  # noqa: E402
 from parallel.rankmap import PlanError  # noqa: E402
-from planner import (  # noqa: E402
-    cost_model,
-    profile_fit,
-    search,  # noqa: E402
-    simulate,  # noqa: E402
-    specs,
-)
+from planner import cost_model, profile_fit, search, simulate, specs  # noqa: E402
 
 MODELS = {
     "1.5B": "deepseek-r1-distill-qwen-1.5b",

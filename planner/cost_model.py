@@ -17,24 +17,6 @@ from planner.specs import DECODE_COMBINES, Efficiency, GPUType, ModelSpec, TypeE
 LINK_LATENCY_S = 1e-5  # alpha of one collective or point-to-point message (HexGen uses 1e-6..1e-5)
 
 
-def decode_contention(eff: Efficiency, train_gpus: dict[str, int]) -> dict[str, float]:
-    """GPU type -> its decode contention beside a split's trainers (Cluster.decode_contention), for each type whose
-    efficiency was measured beside neighbours (TypeEfficiency.decode_beside): the mean of its decode_beside over
-    the train GPUs, by their types (train_gpus: type -> train GPUs of it). A trainer type it was not measured beside
-    counts as its own type's trainers (the profile's co-load); neither measured: 1. Empty where no type has
-    decode_beside (a GPU cluster) or there are no trainers."""
-    total = sum(train_gpus.values())
-    if total <= 0:
-        return {}
-    out = {}
-    for name, te in eff.per_type.items():
-        if not te.decode_beside:
-            continue
-        own = te.decode_beside.get(name, 1.0)
-        out[name] = sum(n * te.decode_beside.get(t, own) for t, n in train_gpus.items()) / total
-    return out
-
-
 # ----------------------------------------------------------------------------- rollout
 
 
@@ -77,7 +59,7 @@ def decode_round_s(
     step = bytes / (hbm_tbps * hbm_eff) + decode_overhead_s to the runtime's decode steps), and for more than one
     row `decode_multirow_s` besides (a CPU core's GEMM path; 0 unless a profile fits it). The compute roof is
     at `mfu_decode` (mfu_infer unless a profile fits it from compute-bound decode steps). `speed` is the share of
-    its device the replica gets (Cluster.speed: < 1 only for CPU processes sharing cores): the rates and the
+    its device the replica gets (Cluster.speeds: < 1 only for CPU processes sharing cores): the rates and the
     per-step host work all stretch by 1 / speed.
     """
     hbm = gpu.hbm_tbps * 1e12 * eff.hbm_eff * speed
@@ -205,7 +187,7 @@ def replica_cost(
     prefill_speed: float | None = None,
 ) -> ReplicaCost | None:
     """h_psi of one replica (tokens/s at the memory-limited batch), or None if the weights don't fit. `speed`:
-    the share of its devices' rates it gets in decode (Cluster.speed of "bandwidth"), `prefill_speed` in prefill
+    the share of its devices' rates it gets in decode (Cluster.speeds of "bandwidth"), `prefill_speed` in prefill
     (of "compute"; default `speed`)."""
     batch = min(replica_memory_batch(model, gpu, tp, pp, wl, eff.mem_frac, bucket_bytes), wl.max_batch)
     if batch < 1:
@@ -274,7 +256,7 @@ class StageSpec:
     tp_gbps: float  # slowest link inside a TP group
     dp_gbps: float  # slowest link inside a DP group
     next_gbps: float  # link to the next stage (0 for the last)
-    speed: float = 1.0  # Cluster.speed of its slowest machine (< 1 only for CPU processes sharing cores)
+    speed: float = 1.0  # Cluster.speeds of its slowest machine (< 1 only for CPU processes sharing cores)
 
 
 # Training memory: what a train rank allocates (parallel/trainer.py under FSDP2, activation checkpointing, chunked
@@ -384,7 +366,7 @@ def train_step_times(
 ) -> tuple[float, list[float]]:
     """(seconds, busy_s): C_TRAIN per RL step, and per stage the seconds its devices work in it -- its m
     micro-batches, gradient all-reduce, optimizer and fixed work; the rest of the step is its share of the 1F1B
-    bubble, where it idles (what a CPU's shared cores see: Planner.busy_devices).
+    bubble, where it idles (what a CPU's shared cores see: cpu_bench/host.busy_devices).
     The step (Metis-style), for ppo_minibatches optimizer steps over tokens_per_step tokens:
     per micro-batch stage time t_k = train_passes * mb * FLOPs/token of its layers / (tp * tflops * mfu_train)
                                      + TP all-reduces (2 per layer per pass, ring 2(tp-1)/tp * mb*H bytes)
@@ -398,7 +380,7 @@ def train_step_times(
     + the type's fixed seconds per optimizer step `train_overhead_s` (0 unless a device profile sets it: the
     intercept of its Trainer steps, less this optimizer term), at tp > 1 its `tp_overhead_s` and at dp > 1 its
     `dp_overhead_s`.
-    A stage's `speed` (Cluster.speed: < 1 only for CPU processes sharing cores) scales its compute, its optimizer
+    A stage's `speed` (Cluster.speeds: < 1 only for CPU processes sharing cores) scales its compute, its optimizer
     and its fixed per-step work; the links are not scaled."""
     nbytes = wl.bytes
     context = wl.decode_context  # mean attention span of a token in a packed sequence
@@ -462,7 +444,7 @@ def sync_times(
       ready_s  until every replica holds the version: the relay's last forward ends one bucket-forward after its last
                receive at the earliest, so a version of one bucket takes two hops to a machine-mate. The rollout side
                pauses for it, and an eta = 0 step waits for it
-    Both add a fixed latency. `speed` (Cluster.speed of the machines involved, < 1 only for CPU processes sharing
+    Both add a fixed latency. `speed` (Cluster.speeds of the machines involved, < 1 only for CPU processes sharing
     cores) stretches both: on a CPU a bucket's hop is host work (filling, checksumming, socket copies), and a device
     profile measures it on unshared cores."""
     senders = assign_senders(owner_machines, list(replicas_per_machine), gbps)

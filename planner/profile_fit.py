@@ -252,7 +252,7 @@ def load_profile(path: str | os.PathLike) -> DeviceProfile:
 def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source: str) -> Efficiency:
     """eff with prof.gpu_type's constants replaced by the profile's. The type must be one of the cluster's, or the
     cluster must emulate device types (emulation.py): those are fractions of the machine that ran the profile, so a
-    profile of another type of this machine (exp/profiles/cpu.yaml) applies to each of them (Cluster.speed then
+    profile of another type of this machine (exp/profiles/cpu.yaml) applies to each of them (the cluster's HostSpeeds then
     prices the fractions); a profile of an emulated type itself (`schedule.py profile --gpu-type <it>`, measured
     under its throttle, normalised to the machine) applies to it alone -- give it after the machine's, whose
     training constants it keeps (its own training ran unthrottled: a second reading of the same machine). Where the
@@ -260,7 +260,7 @@ def apply_profile(eff: Efficiency, cluster: Cluster, prof: DeviceProfile, source
     (fraction x nominal) stay the measured ones. A profile with a `sync` section also sets the weight-sync
     constants, which are the cluster's (Efficiency.link_eff, sync_latency_s): link_eff = the measured GB/s over the
     type's intra_gbps, so that the achieved bandwidth of a bucket hop is the measured one."""
-    emulated = [name for name, g in cluster.gpu_types.items() if g.emulate is not None]
+    emulated = [name for name in cluster.gpu_types if name in cluster.speeds.emulated]
     if prof.emulated and prof.gpu_type not in emulated:
         raise SpecError(
             f"{source}: a profile measured under the throttle of emulated type '{prof.gpu_type}' applies to that "

@@ -71,11 +71,6 @@ class SolverStats:
     history: list[float] = field(default_factory=list)
 
 
-# Rounds of Planner.evaluate's core-share fixed point: the roles' shares feed each other (a slower replica is busy
-# longer, which slows the trainers beside it), 5 pricings on the CPU demo's split at eta 4, one at eta 0
-CORE_SHARE_ROUNDS = 12
-
-
 def powers_of_two(limit: int) -> list[int]:
     return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
 
@@ -90,12 +85,9 @@ class Evaluation:
     sync_s: float
     step_s: float
     tokens_per_s: float
-    # machine -> role -> devices busy at once while one of that role works, the core shares were priced with (CPU
-    # clusters; Planner.busy_devices; empty: every device busy)
-    busy_devices: dict[int, dict[str, float]] = field(default_factory=dict)
-    # GPU type -> the decode contention its replicas were priced with beside this split's trainers (CPU emulation;
-    # cost_model.decode_contention; empty: none)
-    decode_contention: dict[str, float] = field(default_factory=dict)
+    # what the CPU host's pricing settled at for this split (cpu_bench/host.HostSpeeds.settle: busy_devices,
+    # decode_contention); empty on GPUs
+    host_pricing: dict = field(default_factory=dict)
     # the train side's part of sync_s: until its sends are done (cost_model.sync_times); sync_s is until every
     # replica holds the version. None: the same
     sync_send_s: float | None = None
@@ -233,8 +225,8 @@ class Planner:
             dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
             nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
             specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
-        # CPU cores shared, emulated types (Cluster.speed)
-        speeds = [min(self.cluster.speed(m, "compute", "train") for m in ms) for _, ms, *_ in specs]
+        # CPU cores shared, emulated types (Cluster.speeds)
+        speeds = [min(self.cluster.speeds.speed(m, "compute", "train") for m in ms) for _, ms, *_ in specs]
         key = (tuple(types), dp, tp, pp)
         if key not in self._split_cache:
             self._split_cache[key] = self._split_layers(types, dp, tp, pp)
@@ -250,7 +242,9 @@ class Planner:
         moved off stages that exceed memory, then greedily off the slowest stage while that helps."""
         L, mdl = self.model.layers, self.model
         speed = [
-            self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t, "compute", "train")
+            self.cluster.gpu(t).tflops
+            * self.eff.of(t).mfu_train
+            * self.cluster.speeds.type_speed(t, "compute", "train")
             for t in types
         ]
         f_layer = mdl.layer_flops_per_token(self.wl.decode_context)
@@ -391,8 +385,8 @@ class Planner:
                     continue
                 bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
                 # < 1 only where CPU processes share cores or the type is emulated
-                decode = self.cluster.decode_speed(gpu_type)
-                prefill = self.cluster.type_speed(gpu_type, "compute", "rollout")
+                decode = self.cluster.speeds.decode_speed(gpu_type)
+                prefill = self.cluster.speeds.type_speed(gpu_type, "compute", "rollout")
                 cost = cost_model.replica_cost(
                     self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, decode, prefill
                 )
@@ -540,95 +534,21 @@ class Planner:
 
     # ------------------------------------------------------------------ evaluate one partition
     def evaluate(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> Evaluation:
-        """The step of one split (train GPUs per machine). On machines whose devices share host cores (CPU
-        clusters), the core share each device gets depends on how many are busy at once, which depends on the step
-        being priced: the split is priced again with the busy devices of the last pricing (busy_devices) until they
-        settle -- at once on a single machine, where every time scales with the one share and the busy fractions do
-        not change. A CPU-emulated type whose profile measured its decode beside each type's trainers
-        (TypeEfficiency.decode_beside) has its replicas priced at the contention of this split's trainers
-        (cost_model.decode_contention)."""
+        """The step of one split (train GPUs per machine), priced at the cluster's device speeds once they settle
+        for this split (Cluster.speeds.settle: at once on GPUs)."""
         key = train_counts + ((1,) if exhaustive else ())
         if key in self._eval_cache:
             return self._eval_cache[key]
         self.stats.evaluations += 1
-        contention = cost_model.decode_contention(self.eff, self.per_type(train_counts))
-        pricer: Planner = self
-        if contention != self.cluster.decode_contention:
-            pricer = self._priced_on(self.cluster.with_busy_devices(self.cluster.busy_devices, contention))
-        ev = pricer._price(train_counts, exhaustive)
-        ev.decode_contention = contention
-        shared = any(m.host_cores is not None for m in self.cluster.machines)
-        for _ in range(CORE_SHARE_ROUNDS if shared else 0):
-            if not math.isfinite(ev.step_s):
-                break
-            busy = self.busy_devices(ev)
-            before = pricer.cluster.busy_devices
-            if all(
-                abs(b - before.get(m, {}).get(r, -1.0)) < 1e-3 for m, roles in busy.items() for r, b in roles.items()
-            ):
-                break
-            pricer = self._priced_on(self.cluster.with_busy_devices(busy, contention))
-            ev = pricer._price(train_counts, exhaustive)
-            ev.busy_devices, ev.decode_contention = busy, contention
+        ev = self.cluster.speeds.settle(self, train_counts, exhaustive)
         self._eval_cache[key] = ev
         return ev
 
-    def busy_devices(self, ev: Evaluation) -> dict[int, dict[str, float]]:
-        """Machine -> role -> its devices busy at once while one of that role works, in the step `ev` prices
-        (Cluster.speed). Each device's busy fraction of the step: a train GPU's for its stage's own work (not the
-        1F1B bubble) and the train side's weight sync, a rollout GPU's for generation, reward and the sync until its
-        replicas hold the version; a GPU in neither role idles. While one device works:
-          - the devices in lockstep with it work too: its stage's other DP and TP ranks (they meet at every
-            collective) or, for a replica, the other replicas (gated together: by the weight version they wait for
-            and the batches that version releases), so a replica busy a third of the step decodes beside the other
-            replicas, not beside a third of them;
-          - a train rank of another pipeline stage works as much of this stage's work as the train step's span
-            forces them to share: (own + other - span) / own, at least 0 (the 1F1B schedule: both work in its
-            steady phase, one alone in the other's bubble);
-          - the other role's devices work their busy fraction, independent of it (eta > 0: the two sides overlap
-            freely), or not at all (eta = 0: the step runs them back to back).
-        A machine's value for the train role is the mean over its train ranks. A device's own idle time frees its
-        core for the others but is no relief while it works: counting each device by its mean busy fraction (what
-        this did before) gave a replica busy a third of the step the share of the step's mean demand, while it
-        decodes when the trainers and the other replicas do."""
-        step = ev.step_s
-        work = ev.train.stage_busy_s or [ev.train_s] * len(ev.train.stages)
-        rollout_busy = min(1.0, (ev.rollout_s + self.wl.reward_s + ev.sync_s) / step)
-        # machine -> stage -> its ranks there
-        ranks: dict[int, dict[int, int]] = {m.index: {} for m in self.cluster.machines}
-        replicas: dict[int, int] = {m.index: 0 for m in self.cluster.machines}
-        for k, (_, _, ids) in enumerate(ev.train.stages):
-            for i in ids:
-                ranks[self.gpu_machine[i]][k] = ranks[self.gpu_machine[i]].get(k, 0) + 1
-        for _, ids in ev.rollout.replicas:
-            for i in ids:
-                replicas[self.gpu_machine[i]] += 1
-        stage_busy = [min(1.0, (w + ev.train_sync_s) / step) for w in work]  # of the step
-
-        def together(k: int, j: int) -> float:
-            """Of stage k's work, the part stage j works at the same time (the train step's span forces it)."""
-            if j == k:
-                return 1.0
-            if work[k] <= 0:
-                return 0.0
-            return min(1.0, max(0.0, work[k] + work[j] - ev.train_s) / work[k])
-
-        overlap = 1.0 if self.wl.eta > 0 else 0.0
-        busy: dict[int, dict[str, float]] = {}
-        for m, here in ranks.items():
-            busy[m] = {}  # only the roles the machine's devices have (an idle device sees nothing)
-            if here:
-                rollout_side = overlap * replicas[m] * rollout_busy
-                seen = {k: sum(n * together(k, j) for j, n in here.items()) + rollout_side for k in here}
-                busy[m]["train"] = sum(n * seen[k] for k, n in here.items()) / sum(here.values())  # over its ranks
-            if replicas[m]:
-                busy[m]["rollout"] = replicas[m] + overlap * sum(n * stage_busy[k] for k, n in here.items())
-        return busy
-
-    def _priced_on(self, cluster: Cluster) -> Planner:
-        """This planner on `cluster` (same model, workload, efficiencies and options), with fresh caches."""
+    def priced_at(self, speeds) -> Planner:
+        """This planner with its devices at `speeds` (same cluster, model, workload, efficiencies and options),
+        with fresh caches."""
         pricer = Planner(
-            cluster,
+            self.cluster.with_speeds(speeds),
             self.model,
             self.wl,
             self.eff,
@@ -640,7 +560,8 @@ class Planner:
         pricer.stats = self.stats  # its MILP solves are this planner's
         return pricer
 
-    def _price(self, train_counts: tuple[int, ...], exhaustive: bool) -> Evaluation:
+    def price(self, train_counts: tuple[int, ...], exhaustive: bool) -> Evaluation:
+        """The step of one split at the device speeds this planner's cluster has now."""
         train = self.train_plan(train_counts)
         rollout = self.rollout_plan(train_counts, exhaustive)
         inf = math.inf
@@ -662,8 +583,8 @@ class Planner:
             owners = self.owner_machines(train)
             # the train side's owners send, the rollout ranks receive: the slower end sets the hop
             speed = min(
-                [self.cluster.speed(m, "link", "rollout") for m in machines]
-                + [self.cluster.speed(m, "link", "train") for stage in owners for m in stage]
+                [self.cluster.speeds.speed(m, "link", "rollout") for m in machines]
+                + [self.cluster.speeds.speed(m, "link", "train") for stage in owners for m in stage]
             )
             sync_send_s, sync_s = cost_model.sync_times(
                 self.sync_buckets(train), machines, owners, self.cluster.link_gbps, self.eff, speed

@@ -63,12 +63,10 @@ class Seq:
 def _inputs(plan: dict, workload: specs.Workload | dict | None, eta: int | None):
     inp = plan["inputs"]
     cluster = specs.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
-    busy = plan.get("predicted", {}).get("busy_devices")
-    if busy:  # CPU processes sharing cores: the shares the plan was priced at (Planner.evaluate)
-        cluster = cluster.with_busy_devices(busy)
-    contention = plan.get("predicted", {}).get("decode_contention")
-    if contention:  # CPU emulation: the decode contention beside the plan's trainers it was priced with
-        cluster = cluster.with_busy_devices(cluster.busy_devices, {t: float(c) for t, c in contention.items()})
+    busy, contention = (plan.get("predicted", {}).get(k) for k in ("busy_devices", "decode_contention"))
+    if busy or contention:  # a CPU host: what its pricing settled at for the plan (cpu_bench/host.HostSpeeds.settle)
+        contention = {t: float(c) for t, c in contention.items()} if contention else None
+        cluster = cluster.with_speeds(cluster.speeds.with_busy_devices(busy or {}, contention))
     model = specs.model_from_config(inp["model"])
     wl = workload if isinstance(workload, specs.Workload) else specs.Workload(**(workload or inp["workload"]))
     if eta is not None:
@@ -93,7 +91,7 @@ def build_replicas(
         gpu, te = cluster.gpu(rep["gpu_type"]), eff.of(rep["gpu_type"])
         link = gpu.intra_gbps
         # < 1 where CPU processes share cores or the type is emulated, as the planner prices it
-        speed = cluster.decode_speed(rep["gpu_type"])
+        speed = cluster.speeds.decode_speed(rep["gpu_type"])
         curve = [0.0] + [
             cost_model.decode_round_s(model, gpu, te, rep["tp"], rep["pp"], n, wl.decode_context, wl.bytes, link, speed)
             for n in range(1, rep["batch"] + 1)
@@ -103,7 +101,7 @@ def build_replicas(
             curve = [c * scale for c in curve]
         # a replica prefills in the rollout role (its core share there)
         rate = rep["tp"] * rep["pp"] * gpu.tflops * 1e12 * te.mfu_infer
-        rate *= cluster.type_speed(rep["gpu_type"], "compute", "rollout")
+        rate *= cluster.speeds.type_speed(rep["gpu_type"], "compute", "rollout")
         prefill = prefill_s_per_token if prefill_s_per_token is not None else 2 * model.params / rate
         out.append(Replica(rep["batch"], curve, prefill))
     if not out:

@@ -10,15 +10,15 @@ Units: seconds, bytes, FLOPs, tokens. GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
 from __future__ import annotations
 
 import json
-import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from functools import cached_property
 from pathlib import Path
 
 import yaml
 
-from cpu_bench.emulation import Emulation
+from cpu_bench import host
+from cpu_bench.host import HostSpeeds
 from errors import HexrlError
 from parallel.sync_layout import Links, hf_shape
 
@@ -43,12 +43,6 @@ class GPUType:
     hbm_tbps: float  # HBM bandwidth
     dollars_per_hour: float
     intra_gbps: float  # GPU<->GPU bandwidth inside one machine (NVLink, one direction)
-    # CPU ranks of this type run at these fractions of the machine (emulation.py); the planner prices them so:
-    # tflops / hbm_tbps / intra_gbps stay this machine's, Cluster.speed applies the fractions
-    emulate: Emulation | None = None
-
-
-ROLES = ("train", "rollout")  # what a device does in a plan (Cluster.busy_devices tells them apart)
 
 
 @dataclass(frozen=True)
@@ -56,9 +50,39 @@ class Machine:
     index: int
     gpu_type: str
     gpus: int
-    # CPU clusters only: the cores this machine's devices (one process each) share. None: every device has its own
-    # compute and memory path, as GPUs do. See Cluster.speed.
-    host_cores: float | None = None
+
+
+@dataclass(frozen=True)
+class NominalSpeeds:
+    """Every device at its own rates, as GPUs run: a Cluster's device speeds unless a CPU host stands in for it
+    (cpu_bench/host.HostSpeeds, which answers the same questions). The planner asks: the fraction of its rates a
+    device of a machine runs at for one kind of work in one role (speed; of a GPU type: type_speed; a replica's
+    decode: decode_speed), and the Evaluation of a split once its speeds settle (settle)."""
+
+    @property
+    def emulated(self) -> dict:  # GPU type -> its emulated fractions (cpu_bench/emulation.py): none
+        return {}
+
+    def speed(self, machine: int, kind: str = "compute", role: str | None = None) -> float:
+        return 1.0
+
+    def type_speed(self, type_name: str, kind: str = "compute", role: str | None = None) -> float:
+        return 1.0
+
+    def decode_speed(self, type_name: str) -> float:
+        return 1.0
+
+    def settle(self, planner, train_counts: tuple[int, ...], exhaustive: bool):
+        return planner.price(train_counts, exhaustive)
+
+    def unpriced(self) -> NominalSpeeds:
+        return self
+
+    def subset(self, kept: list[tuple[int, int]]) -> NominalSpeeds:
+        return self
+
+    def cluster_dict(self, d: dict) -> dict:
+        return d
 
 
 @dataclass
@@ -68,14 +92,9 @@ class Cluster:
     machines: list[Machine]
     inter_gbps: dict[tuple[str, str], float]  # unordered type pair -> GB/s
     machine_gbps: dict[tuple[int, int], float] = field(default_factory=dict)  # machine pair override
-    # CPU clusters only: machine -> role ("train", "rollout") -> how many of its devices are busy at once while one
-    # of that role works, in the step being priced (Planner.busy_devices' estimate); a machine not in it counts every
-    # device busy. See speed.
-    busy_devices: dict[int, dict[str, float]] = field(default_factory=dict)
-    # CPU emulation only: GPU type -> how much longer its decode steps take in wall time than its profile's decode fit
-    # prices their CPU time at its fractions, beside the trainers of the split being priced (decode_contention; Planner.evaluate sets it).
-    # A type not in it: 1. See decode_speed.
-    decode_contention: dict[str, float] = field(default_factory=dict)
+    # the fraction of its own rates each device runs at: its own on GPUs; the CPU bench's pricing of its host where
+    # the cluster YAML declares one (cpu_bench/host.HostSpeeds)
+    speeds: NominalSpeeds | HostSpeeds = field(default_factory=NominalSpeeds)
 
     @property
     def n_gpus(self) -> int:
@@ -84,76 +103,9 @@ class Cluster:
     def gpu(self, type_name: str) -> GPUType:
         return self.gpu_types[type_name]
 
-    def speed(self, machine: int, kind: str = "compute", role: str | None = None) -> float:
-        """The fraction of its own rates a device of this machine runs at, for one kind of work (emulation.KINDS:
-        "compute" -- training, prefill; "bandwidth" -- decode; "link" -- weight sync) in one role ("train",
-        "rollout"; None: the busier of the two): its type's emulated fraction (1 without `emulate`) times its core
-        share.
-
-        The core share is min(1, host_cores / demand). A CPU "device" is one process, and a device profile measures
-        one process alone on a core; when a machine's busy processes want more cores than it has, the OS time-slices
-        them, so each gets host_cores / demand of a core -- of its FLOP/s, of its memory bandwidth and of its host
-        time alike. The demand is the number of devices busy at once *while this one works* times what one busy
-        device wants: a plain device a whole core, an emulated one at most its largest fraction of one, since it
-        sleeps the rest of every piece of work (emulation.Throttle). A device that waits (a rollout rank at the
-        staleness bound, a trainer waiting for a batch, every rank of an eta = 0 step while the other side works)
-        frees its core meanwhile, so what a device sees depends on its role: busy_devices, which Planner.evaluate
-        estimates from the step it prices (a fixed point), and without it every device counts busy.
-        No core share on a machine without host_cores (GPUs do not share their SMs and HBM with each other)."""
-        m = self.machines[machine]
-        emulate = self.gpu_types[m.gpu_type].emulate
-        fraction = 1.0 if emulate is None else emulate.fraction(kind)
-        if m.host_cores is None:
-            return fraction
-        seen = self.busy_devices.get(machine)
-        if seen is None:
-            busy = float(m.gpus)
-        elif role is None:
-            busy = max(seen.values(), default=float(m.gpus))
-        else:
-            if role not in ROLES:
-                raise ValueError(f"role {role!r}: one of {ROLES}")
-            busy = seen.get(role, float(m.gpus))  # no device of the role there: as if every device were busy
-        demand = busy * (1.0 if emulate is None else emulate.demand)
-        return fraction * (1.0 if demand <= m.host_cores else m.host_cores / demand)
-
-    def with_busy_devices(
-        self, busy_devices: dict[int, dict[str, float] | float], decode_contention: dict[str, float] | None = None
-    ) -> Cluster:
-        """The same cluster with each machine's devices busy at once as given (Cluster.speed: machine -> role ->
-        devices; a number for a machine counts for both roles, as plans made before the roles were told apart record
-        it) and, when given, each type's decode contention (decode_speed; else this cluster's)."""
-        contention = self.decode_contention if decode_contention is None else decode_contention
-        busy = {
-            int(m): {r: float(b) for r in ROLES}
-            if isinstance(b, (int, float))
-            else {str(r): float(v) for r, v in b.items()}
-            for m, b in busy_devices.items()
-        }
-        return Cluster(
-            self.name, self.gpu_types, self.machines, self.inter_gbps, self.machine_gbps, busy, dict(contention),
-        )  # fmt: skip
-
-    def decode_speed(self, type_name: str) -> float:
-        """The fraction of its own decode rate a replica of this type runs at in wall time: type_speed of
-        "bandwidth" in the rollout role, or, where the split being priced set the type's decode contention (a
-        CPU-emulated type whose profile timed its decode beside each type's trainers), the type's emulated
-        fraction over that contention: the contention is the measured wall a step takes beside the trainers
-        (its waits for a core included), which replaces the core share's estimate of the same waits."""
-        contention = self.decode_contention.get(type_name)
-        if contention is None:
-            return self.type_speed(type_name, "bandwidth", "rollout")
-        emulate = self.gpu_types[type_name].emulate
-        return (1.0 if emulate is None else emulate.fraction("bandwidth")) / contention
-
-    def type_speed(self, type_name: str, kind: str = "compute", role: str | None = None) -> float:
-        """Cluster.speed of a GPU type in a role: its slowest machine's among those where the role runs (all of the
-        type's where it runs on none, or without an estimate); the planner prices a rollout replica per type, and
-        on every shipped cluster the machines of a type have one speed."""
-        machines = [m.index for m in self.machines if m.gpu_type == type_name]
-        if role is not None:
-            machines = [i for i in machines if role in self.busy_devices.get(i, {})] or machines
-        return min((self.speed(i, kind, role) for i in machines), default=1.0)
+    def with_speeds(self, speeds: NominalSpeeds | HostSpeeds) -> Cluster:
+        """The same GPUs and links, their devices priced at `speeds`."""
+        return replace(self, speeds=speeds)
 
     @cached_property
     def links(self) -> Links:
@@ -177,7 +129,9 @@ class Cluster:
 
     def with_uniform_links(self) -> Cluster:
         """The same machines with every machine pair at its type pair's link (the per-pair overrides dropped)."""
-        return Cluster(self.name, dict(self.gpu_types), list(self.machines), dict(self.inter_gbps), {})
+        return Cluster(
+            self.name, dict(self.gpu_types), list(self.machines), dict(self.inter_gbps), {}, self.speeds.unpriced()
+        )
 
     def dollars_per_hour(self) -> float:
         return sum(m.gpus * self.gpu_types[m.gpu_type].dollars_per_hour for m in self.machines)
@@ -188,34 +142,31 @@ class Cluster:
             (m, machine_counts.get(m.index, m.gpus)) for m in self.machines if machine_counts.get(m.index, m.gpus) > 0
         ]
         new_index = {m.index: i for i, (m, _) in enumerate(keep)}
-        machines = [Machine(i, m.gpu_type, n, m.host_cores) for i, (m, n) in enumerate(keep)]
+        machines = [Machine(i, m.gpu_type, n) for i, (m, n) in enumerate(keep)]
         overrides = {
             (new_index[a], new_index[b]): v
             for (a, b), v in self.machine_gbps.items()
             if a in new_index and b in new_index
         }
-        return Cluster(self.name, dict(self.gpu_types), machines, dict(self.inter_gbps), overrides)
+        kept = [(m.index, n) for m, n in keep]
+        return Cluster(
+            self.name, dict(self.gpu_types), machines, dict(self.inter_gbps), overrides, self.speeds.subset(kept)
+        )
 
     def to_dict(self) -> dict:
-        return {
-            "name": self.name,
-            "gpu_types": {
-                k: {f: v for f, v in asdict(g).items() if f != "name" and not (f == "emulate" and v is None)}
-                for k, g in self.gpu_types.items()
-            },
-            "machines": [
-                {
-                    "gpu_type": m.gpu_type,
-                    "gpus": m.gpus,
-                    **({} if m.host_cores is None else {"host_cores": m.host_cores}),
-                }
-                for m in self.machines
-            ],
-            "links": {
-                "inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
-                "machine_gbps": [[a, b, v] for (a, b), v in self.machine_gbps.items()],
-            },
-        }
+        return self.speeds.cluster_dict(
+            {
+                "name": self.name,
+                "gpu_types": {
+                    k: {f: v for f, v in asdict(g).items() if f != "name"} for k, g in self.gpu_types.items()
+                },
+                "machines": [{"gpu_type": m.gpu_type, "gpus": m.gpus} for m in self.machines],
+                "links": {
+                    "inter_gbps": {f"{a}-{b}": v for (a, b), v in self.inter_gbps.items()},
+                    "machine_gbps": [[a, b, v] for (a, b), v in self.machine_gbps.items()],
+                },
+            }
+        )
 
 
 def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = None) -> Cluster:
@@ -226,7 +177,7 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
             raise SpecError(f"{source}: missing '{key}' in {where}")
         return d[key]
 
-    types = {}
+    types, emulated = {}, {}
     for name, g in need(spec, "gpu_types", "cluster").items():
         try:
             types[name] = GPUType(
@@ -236,8 +187,8 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
                 float(g["hbm_tbps"]),
                 float(g["dollars_per_hour"]),
                 float(g["intra_gbps"]),
-                Emulation.from_dict(g.get("emulate"), f"{source}: gpu_types.{name}"),
             )
+            emulation = host.parse_emulate(g, f"{source}: gpu_types.{name}")
         except (KeyError, TypeError, ValueError) as e:
             raise SpecError(
                 f"{source}: gpu_types.{name} needs numeric hbm_gb, tflops, hbm_tbps, "
@@ -245,7 +196,10 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
             ) from None
         if min(types[name].hbm_gb, types[name].tflops, types[name].hbm_tbps, types[name].intra_gbps) <= 0:
             raise SpecError(f"{source}: gpu_types.{name} has a non-positive capacity")
+        if emulation is not None:
+            emulated[name] = emulation
     machines: list[Machine] = []
+    cores: list[float | None] = []  # per machine: the host cores its devices share (the CPU bench)
     for i_entry, entry in enumerate(need(spec, "machines", "cluster")):
         t = need(entry, "gpu_type", "a machines entry")
         if t not in types:
@@ -253,18 +207,14 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
         gpus, count = int(need(entry, "gpus", "a machines entry")), int(entry.get("count", 1))
         if gpus <= 0 or count <= 0:
             raise SpecError(f"{source}: machine of {t} needs gpus >= 1 and count >= 1")
-        cores = entry.get("host_cores")
-        if cores is not None:
+        shared = entry.get("host_cores")
+        if shared is not None:
             try:
-                cores = float(cores)
-            except (TypeError, ValueError):
-                cores = math.nan
-            if not (math.isfinite(cores) and cores > 0):
-                raise SpecError(
-                    f"{source}: machines[{i_entry}].host_cores must be a number > 0 (the cores the machine's "
-                    f"devices share; leave it out for GPUs), got {entry['host_cores']!r}"
-                )
-        machines += [Machine(len(machines) + i, t, gpus, cores) for i in range(count)]
+                shared = host.parse_host_cores(shared, f"{source}: machines[{i_entry}]")
+            except host.HostSpecError as e:
+                raise SpecError(str(e)) from None
+        cores += [shared] * count
+        machines += [Machine(len(machines) + i, t, gpus) for i in range(count)]
     if not machines:
         raise SpecError(f"{source}: no machines")
     if nproc is not None:
@@ -274,7 +224,7 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
             )
         if nproc < 2:
             raise SpecError(f"--gpus/--nproc must be >= 2 (one rollout and one train rank), got {nproc}")
-        machines = [Machine(0, machines[0].gpu_type, nproc, machines[0].host_cores)]
+        machines, cores = [Machine(0, machines[0].gpu_type, nproc)], cores[:1]
     links = spec.get("links", {}) or {}
     inter: dict[tuple[str, str], float] = {}
     for key, v in (links.get("inter_gbps") or {}).items():
@@ -290,7 +240,12 @@ def cluster_from_dict(spec: dict, source: str = "<dict>", nproc: int | None = No
     overrides = {}
     for a, b, v in links.get("machine_gbps", []) or []:
         overrides[(min(a, b), max(a, b))] = float(v)
-    return Cluster(str(spec.get("name", Path(source).stem)), types, machines, inter, overrides)
+    speeds = NominalSpeeds()
+    if emulated or any(c is not None for c in cores):  # a CPU host stands in for the cluster
+        speeds = host.HostSpeeds(
+            tuple(m.gpu_type for m in machines), tuple(m.gpus for m in machines), tuple(cores), emulated
+        )
+    return Cluster(str(spec.get("name", Path(source).stem)), types, machines, inter, overrides, speeds)
 
 
 def load_cluster(path: str | os.PathLike, nproc: int | None = None) -> Cluster:

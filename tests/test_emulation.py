@@ -14,6 +14,7 @@ import pytest
 from tiny import ENV, ROOT, torchrun
 
 import schedule
+from cpu_bench import host
 from cpu_bench.emulation import Emulation, EmulationError, Throttle, emulated_types
 from planner import cost_model, profile_fit, search, specs
 
@@ -192,9 +193,9 @@ def emulated_cluster(fractions: dict) -> dict:
 
 def test_the_plan_carries_the_emulation_to_each_rank():
     cluster = specs.cluster_from_dict(emulated_cluster({"compute": 0.5}))
-    assert cluster.gpu_types["slow"].emulate == Emulation(compute=0.5)
+    assert cluster.speeds.emulated["slow"] == Emulation(compute=0.5)
     again = specs.cluster_from_dict(cluster.to_dict())  # plan JSON round trip
-    assert again.gpu_types["slow"].emulate == Emulation(compute=0.5)
+    assert again.speeds.emulated["slow"] == Emulation(compute=0.5)
     plan = {"inputs": {"cluster": cluster.to_dict()}, "ranks": [{"rank": 0, "gpu_type": "slow"}]}
     assert Throttle.for_rank(plan, 0).emulation == Emulation(compute=0.5)
     assert not Throttle.for_rank({"ranks": [{"rank": 0}]}, 0).active  # no cluster in the plan: full speed
@@ -291,15 +292,15 @@ def two_type_cluster(host_cores: float | None = 1) -> specs.Cluster:
 def test_cluster_speed_is_the_kinds_fraction_times_a_core_share_by_demand():
     c = two_type_cluster(host_cores=1)
     # two ranks wanting at most half a core each fit in one core: the fractions alone
-    assert [c.speed(0, k) for k in ("compute", "bandwidth", "link")] == [0.25, 0.5, 1.0]
-    assert [c.speed(1, k) for k in ("compute", "bandwidth", "link")] == [0.5, 0.2, 0.4]
-    assert c.type_speed("fl", "bandwidth") == 0.2 and c.type_speed("fl") == 0.5  # compute by default
-    assert c.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4, as before
+    assert [c.speeds.speed(0, k) for k in ("compute", "bandwidth", "link")] == [0.25, 0.5, 1.0]
+    assert [c.speeds.speed(1, k) for k in ("compute", "bandwidth", "link")] == [0.5, 0.2, 0.4]
+    assert c.speeds.type_speed("fl", "bandwidth") == 0.2 and c.speeds.type_speed("fl") == 0.5  # compute by default
+    assert c.speeds.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4, as before
     half = two_type_cluster(host_cores=0.5)  # now each rank gets a quarter of a core, half of what it wants
-    assert [half.speed(0, k) for k in ("compute", "bandwidth")] == [0.125, 0.25]
-    assert two_type_cluster(host_cores=None).speed(1, "bandwidth") == 0.2  # no core share without host_cores
+    assert [half.speeds.speed(0, k) for k in ("compute", "bandwidth")] == [0.125, 0.25]
+    assert two_type_cluster(host_cores=None).speeds.speed(1, "bandwidth") == 0.2  # no core share without host_cores
     with pytest.raises(EmulationError, match="unknown kind"):
-        c.speed(0, "flops")
+        c.speeds.speed(0, "flops")
 
 
 def test_an_emulated_replica_and_stage_cost_the_machines_divided_by_the_fractions():
@@ -307,12 +308,14 @@ def test_an_emulated_replica_and_stage_cost_the_machines_divided_by_the_fraction
     eff = specs.Efficiency(per_type={"*": specs.TypeEfficiency(decode_overhead_s=0.002, train_overhead_s=0.05)})
     gpu = c.gpu("fl")
     native = cost_model.replica_cost(model, gpu, 1, 1, wl, eff, 2.0)
-    emulated = cost_model.replica_cost(model, gpu, 1, 1, wl, eff, 2.0, 64 * 2**20, c.type_speed("fl", "bandwidth"), 0.5)
+    emulated = cost_model.replica_cost(
+        model, gpu, 1, 1, wl, eff, 2.0, 64 * 2**20, c.speeds.type_speed("fl", "bandwidth"), 0.5
+    )
     assert emulated.round_s == pytest.approx(native.round_s / 0.2)  # decode, its per-step overhead included
     assert emulated.prefill_tflops == pytest.approx(native.prefill_tflops * 0.5)
     stage = lambda speed: cost_model.StageSpec("fl", model.layers, (1,), 2.0, 2.0, 0.0, speed)  # noqa: E731
     t_native = cost_model.train_step_seconds(model, [stage(1.0)], 1, 1, c.gpu_types, wl, eff)
-    t_emulated = cost_model.train_step_seconds(model, [stage(c.speed(1, "compute"))], 1, 1, c.gpu_types, wl, eff)
+    t_emulated = cost_model.train_step_seconds(model, [stage(c.speeds.speed(1, "compute"))], 1, 1, c.gpu_types, wl, eff)
     assert t_emulated == pytest.approx(t_native / 0.5)
 
 
@@ -320,7 +323,8 @@ def test_a_machine_profile_applies_to_every_emulated_type_and_a_type_profile_to_
     c = two_type_cluster(None)
     machine = profile_fit.DeviceProfile("host", specs.TypeEfficiency(0.4, 0.6, 0.7, 0.002), 0.04, 0.01, 0.2, 0.001)
     eff = profile_fit.apply_profile(specs.Efficiency(), specs.Cluster(c.name, {k: v for k, v in c.gpu_types.items() if k != "cpu"},
-                                                        c.machines[:2], c.inter_gbps), machine, "m.yaml")  # fmt: skip
+                                                        c.machines[:2], c.inter_gbps, speeds=c.subset({2: 0}).speeds),
+                                     machine, "m.yaml")  # fmt: skip
     for t in ("bw", "fl"):  # the type's nominal is half the profile's: the fractions double, the rates stay measured
         assert eff.of(t).mfu_train == pytest.approx(0.8) and eff.of(t).hbm_eff == pytest.approx(1.4)
     assert eff.link_eff == pytest.approx(0.1) and eff.sync_latency_s == 0.001
@@ -413,7 +417,7 @@ def test_the_hetero_summary_splits_a_replicas_generation_into_work_padding_and_w
     assert g["priced_wall_per_step_s"] == pytest.approx(pj["rollout"]["replicas"][0]["round_s"], rel=1e-6)
     assert g["priced_cpu_per_step_s"] == pytest.approx(g["priced_wall_per_step_s"] * bandwidth, rel=1e-6)
     # a decode contention is wall time beyond the CPU work: it leaves the priced CPU of the same round less
-    ev.decode_contention = {cfg.gpu_type: 1.25 for cfg, _ in ev.rollout.replicas}
+    ev.host_pricing["decode_contention"] = {cfg.gpu_type: 1.25 for cfg, _ in ev.rollout.replicas}
     contended = hetero_cpu.generation(runs, replicas, ev, sub)
     assert contended["priced_cpu_per_step_s"] == pytest.approx(g["priced_cpu_per_step_s"] / 1.25, rel=1e-6)
     assert hetero_cpu.generation([[row(4, 1, 1, 0, 1)]], replicas, ev, sub) == {}  # one steady step: no growth
@@ -431,9 +435,9 @@ def test_an_emulated_ranks_core_share_is_whole_in_every_role_of_every_split():
         ev = p.evaluate(counts)
         if not ev.train or not ev.rollout:
             continue
-        priced = p.cluster.with_busy_devices(ev.busy_devices)
-        for m, roles in ev.busy_devices.items():
-            emulate = p.cluster.gpu(p.cluster.machines[m].gpu_type).emulate
+        priced = p.cluster.speeds.with_busy_devices(ev.host_pricing["busy_devices"])
+        for m, roles in ev.host_pricing["busy_devices"].items():
+            emulate = p.cluster.speeds.emulated[p.cluster.machines[m].gpu_type]
             for role in roles:
                 for kind in ("compute", "bandwidth", "link"):
                     assert priced.speed(m, kind, role) == emulate.fraction(kind), (counts, m, role, kind)
@@ -453,11 +457,11 @@ def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainer
     eff = specs.Efficiency.from_dict(base.eff.to_dict())
     eff.per_type["h20ish"].decode_beside = {"h20ish": 1.1, "h800ish": 1.3}
     eff.per_type["h800ish"].decode_beside = {"h800ish": 1.05}  # its profile never saw h20ish trainers
-    assert cost_model.decode_contention(eff, {"h20ish": 1, "h800ish": 3}) == pytest.approx(
+    assert host.decode_contention(eff, {"h20ish": 1, "h800ish": 3}) == pytest.approx(
         {"h20ish": (1.1 + 3 * 1.3) / 4, "h800ish": 1.05}
     )
-    assert cost_model.decode_contention(base.eff, {"h20ish": 2}) == {}  # no type measured beside neighbours
-    assert cost_model.decode_contention(eff, {}) == {}  # no trainers
+    assert host.decode_contention(base.eff, {"h20ish": 2}) == {}  # no type measured beside neighbours
+    assert host.decode_contention(eff, {}) == {}  # no trainers
     contended = search.Planner(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
     machines = [m.gpu_type for m in base.cluster.machines]
     for counts, expect in (
@@ -466,7 +470,10 @@ def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainer
         (tuple(2 * (t == "h20ish") for t in machines), {"h20ish": 1.1, "h800ish": 1.05}),
     ):
         plain, ev = base.evaluate(counts), contended.evaluate(counts)
-        assert ev.decode_contention == pytest.approx(expect) and plain.decode_contention == {}
+        assert (
+            ev.host_pricing["decode_contention"] == pytest.approx(expect)
+            and "decode_contention" not in plain.host_pricing
+        )
         for (cfg, ids), (cfg0, ids0) in zip(ev.rollout.replicas, plain.rollout.replicas):
             assert cfg.gpu_type == cfg0.gpu_type and ids == ids0
             # a core share of 1 on this cluster (two ranks of at most half a core each per machine's one core)

@@ -12,11 +12,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exp"))
 
 import schedule  # noqa: E402
-from planner import (  # noqa: E402
-    cost_model,
-    memory,  # noqa: E402
-    specs,
-)
+from planner import cost_model, memory, specs  # noqa: E402
 
 within = memory.validation_ok  # within 15% of the measured lower bound, not above the upper bound by more than that
 

@@ -16,12 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import schedule  # noqa: E402
-from planner import (  # noqa: E402
-    cost_model,
-    profile_fit,
-    search,  # noqa: E402
-    specs,
-)
+from planner import cost_model, profile_fit, search, specs  # noqa: E402
 
 CPU = specs.GPUType("cpu", 2, 0.02, 0.005, 0.05, 2.0)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -294,7 +289,7 @@ def test_planning_with_a_profile_uses_it(tmp_path):
         wl, model, gpu = p.wl, p.model, p.cluster.gpu("cpu")
         # cpu.yaml's 4 processes share 2 cores (host_cores) by how many are busy at once in the step priced
         busy = {int(m): b for m, b in pj["predicted"]["busy_devices"].items()}
-        speed = p.cluster.with_busy_devices(busy).decode_speed("cpu")  # a replica's, in the rollout role
+        speed = p.cluster.speeds.with_busy_devices(busy).decode_speed("cpu")  # a replica's, in the rollout role
         assert 0.5 <= speed < 1.0
         tokens_per_s = 0.0
         for rep in pj["rollout"]["replicas"]:

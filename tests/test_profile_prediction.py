@@ -23,13 +23,9 @@ sys.path.insert(0, str(ROOT / "exp"))
 from test_profile import CPU, profile_doc, write  # noqa: E402
 
 import schedule  # noqa: E402
+from cpu_bench import host  # noqa: E402
 from parallel import sync_layout  # noqa: E402
-from planner import (  # noqa: E402
-    cost_model,
-    profile_fit,
-    search,  # noqa: E402
-    specs,
-)
+from planner import cost_model, profile_fit, search, specs  # noqa: E402
 
 TINY = ROOT / "exp" / "tiny-model"
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
@@ -59,20 +55,20 @@ def cpu_cluster(host_cores=2, gpus: int = 4) -> specs.Cluster:
 
 
 def test_host_cores_speed_is_cores_over_devices_capped_at_one():
-    assert cpu_cluster(2, 4).speed(0) == 0.5
-    assert cpu_cluster(2, 3).speed(0) == pytest.approx(2 / 3)
-    assert cpu_cluster(2, 2).speed(0) == 1.0 and cpu_cluster(8, 4).speed(0) == 1.0
-    assert cpu_cluster(None, 4).speed(0) == 1.0  # absent: devices do not share compute (GPUs)
-    assert cpu_cluster(2, 4).type_speed("cpu") == 0.5
+    assert cpu_cluster(2, 4).speeds.speed(0) == 0.5
+    assert cpu_cluster(2, 3).speeds.speed(0) == pytest.approx(2 / 3)
+    assert cpu_cluster(2, 2).speeds.speed(0) == 1.0 and cpu_cluster(8, 4).speeds.speed(0) == 1.0
+    assert cpu_cluster(None, 4).speeds.speed(0) == 1.0  # absent: devices do not share compute (GPUs)
+    assert cpu_cluster(2, 4).speeds.type_speed("cpu") == 0.5
     # the shipped CPU cluster: this machine's 2 cores; --nproc resizes the devices, not the cores
-    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml").machines[0].host_cores == 2
-    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4).speed(0) == 0.5
-    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 6).speed(0) == pytest.approx(1 / 3)
-    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 2).speed(0) == 1.0
+    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml").speeds.host_cores[0] == 2
+    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 4).speeds.speed(0) == 0.5
+    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 6).speeds.speed(0) == pytest.approx(1 / 3)
+    assert specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 2).speeds.speed(0) == 1.0
     # GPU clusters have none
     for path in (ROOT / "exp/clusters").glob("*.yaml"):
         if not path.stem.startswith("cpu"):
-            assert all(m.host_cores is None for m in specs.load_cluster(path).machines), path
+            assert specs.load_cluster(path).speeds == specs.NominalSpeeds(), path
 
 
 def test_host_cores_round_trips_through_the_plan_inputs():
@@ -80,7 +76,7 @@ def test_host_cores_round_trips_through_the_plan_inputs():
     assert c.to_dict()["machines"] == [{"gpu_type": "cpu", "gpus": 4, "host_cores": 2.0}]
     assert specs.cluster_from_dict(c.to_dict()).machines == c.machines
     assert "host_cores" not in cpu_cluster(None).to_dict()["machines"][0]
-    assert c.subset({0: 3}).machines[0].host_cores == 2.0
+    assert c.subset({0: 3}).speeds.host_cores[0] == 2.0
 
 
 @pytest.mark.parametrize("bad", [0, -1, "two", float("nan"), float("inf"), [2]])
@@ -198,24 +194,28 @@ def test_a_pipeline_trainer_counts_busy_for_its_work_not_its_bubble():
     both = w0 + w1 - ev.train_s
     seen = [1 + both / w0 + rollout, 1 + both / w1 + rollout]
     by_stage = sum(min(1.0, (w + ev.train_sync_s) / step) for w in (w0, w1))
-    assert ev.busy_devices[0]["train"] == pytest.approx(sum(seen) / 2, rel=1e-3)  # the fixed point
-    assert ev.busy_devices[0]["rollout"] == pytest.approx(1 + by_stage, rel=1e-3)
-    assert ev.busy_devices[0]["train"] < 2 + rollout
+    assert ev.host_pricing["busy_devices"][0]["train"] == pytest.approx(sum(seen) / 2, rel=1e-3)  # the fixed point
+    assert ev.host_pricing["busy_devices"][0]["rollout"] == pytest.approx(1 + by_stage, rel=1e-3)
+    assert ev.host_pricing["busy_devices"][0]["train"] < 2 + rollout
 
 
 def test_speed_counts_the_busy_devices_given():
     c = cpu_cluster(2, 4)
-    seen = c.with_busy_devices({0: {"train": 2.5, "rollout": 3.2}})
+    seen = c.speeds.with_busy_devices({0: {"train": 2.5, "rollout": 3.2}})
     assert seen.speed(0, "compute", "train") == pytest.approx(2 / 2.5)
     assert seen.speed(0, "bandwidth", "rollout") == pytest.approx(2 / 3.2)
     assert seen.speed(0) == pytest.approx(2 / 3.2)  # no role: the busier view
     assert seen.type_speed("cpu", "compute", "train") == pytest.approx(2 / 2.5)
     assert seen.decode_speed("cpu") == pytest.approx(2 / 3.2)  # a replica decodes in the rollout role
-    assert c.with_busy_devices({0: {"train": 1.5, "rollout": 1.5}}).speed(0, "compute", "train") == 1.0  # a core each
-    assert c.with_busy_devices({0: 3.2}).speed(0, "compute", "train") == pytest.approx(2 / 3.2)  # a number: both
-    assert c.with_busy_devices({0: 3.2}).speed(0, "compute", "rollout") == pytest.approx(2 / 3.2)
-    assert c.speed(0, "compute", "train") == 0.5 and c.busy_devices == {}  # without an estimate every device is busy
-    assert cpu_cluster(None, 4).with_busy_devices({0: 4.0}).speed(0) == 1.0  # no host_cores: no sharing
+    assert (
+        c.speeds.with_busy_devices({0: {"train": 1.5, "rollout": 1.5}}).speed(0, "compute", "train") == 1.0
+    )  # a core each
+    assert c.speeds.with_busy_devices({0: 3.2}).speed(0, "compute", "train") == pytest.approx(2 / 3.2)  # a number: both
+    assert c.speeds.with_busy_devices({0: 3.2}).speed(0, "compute", "rollout") == pytest.approx(2 / 3.2)
+    assert (
+        c.speeds.speed(0, "compute", "train") == 0.5 and c.speeds.busy_devices == {}
+    )  # without an estimate every device is busy
+    assert cpu_cluster(None, 4).speeds.speed(0) == 1.0  # no host_cores: no sharing, whatever is busy
     with pytest.raises(ValueError, match="role 'trainer'"):
         seen.speed(0, "compute", "trainer")
 
@@ -229,7 +229,7 @@ def test_a_shared_machine_is_priced_at_the_cores_over_the_devices_busy_while_one
     turns: each sees only its own role's devices, 2 on 2 cores, a core each."""
     _, plain = demo_split(cpu_cluster(None), eta)
     p, shared = demo_split(cpu_cluster(2), eta)
-    busy = shared.busy_devices[0]
+    busy = shared.host_pricing["busy_devices"][0]
     step = shared.step_s
     train = min(1.0, (shared.train_s + shared.train_sync_s) / step)
     rollout = min(1.0, (shared.rollout_s + shared.sync_s) / step)
@@ -258,8 +258,10 @@ def test_a_replica_is_priced_beside_what_runs_while_it_decodes():
     _, ev = demo_split(cpu_cluster(2), 4)
     step = ev.step_s
     mean = 2 * min(1.0, (ev.train_s + ev.train_sync_s) / step) + 2 * min(1.0, (ev.rollout_s + ev.sync_s) / step)
-    assert ev.busy_devices[0]["rollout"] > mean > 2
-    assert ev.busy_devices[0]["train"] == pytest.approx(mean, rel=0.05)  # the trainers are busy nearly all of it
+    assert ev.host_pricing["busy_devices"][0]["rollout"] > mean > 2
+    assert ev.host_pricing["busy_devices"][0]["train"] == pytest.approx(
+        mean, rel=0.05
+    )  # the trainers are busy nearly all of it
 
 
 def test_the_side_that_bounds_the_step_is_busy_all_of_it():
@@ -270,8 +272,10 @@ def test_the_side_that_bounds_the_step_is_busy_all_of_it():
     ev = p.evaluate((2,))
     assert ev.rollout_s > ev.train_s
     trainers = 2 * (ev.train_s + ev.sync_s) / ev.step_s
-    assert ev.busy_devices[0]["train"] == pytest.approx(4.0, rel=1e-3)  # the replicas never rest
-    assert ev.busy_devices[0]["rollout"] == pytest.approx(2 + trainers, rel=1e-3) and 2 < 2 + trainers < 4
+    assert ev.host_pricing["busy_devices"][0]["train"] == pytest.approx(4.0, rel=1e-3)  # the replicas never rest
+    assert (
+        ev.host_pricing["busy_devices"][0]["rollout"] == pytest.approx(2 + trainers, rel=1e-3) and 2 < 2 + trainers < 4
+    )
 
 
 def test_core_shares_settle_on_machines_of_different_loads():
@@ -288,16 +292,19 @@ def test_core_shares_settle_on_machines_of_different_loads():
     p = search.Planner(cluster, specs.load_model_spec(TINY), specs.Workload(**DEMO), specs.Efficiency(sync_latency_s=0.01),
                    forced_layout=(2, 1, 1), rollout_tp=1)  # fmt: skip
     ev = p.evaluate((2, 0))
-    assert set(ev.busy_devices) == {0, 1}
-    settled = p.busy_devices(ev)
+    assert set(ev.host_pricing["busy_devices"]) == {0, 1}
+    settled = host.busy_devices(p, ev)
     for m in (0, 1):
-        assert settled[m].keys() == ev.busy_devices[m].keys()
+        assert settled[m].keys() == ev.host_pricing["busy_devices"][m].keys()
         for role, busy in settled[m].items():
-            assert busy == pytest.approx(ev.busy_devices[m][role], rel=1e-2), (m, role)
+            assert busy == pytest.approx(ev.host_pricing["busy_devices"][m][role], rel=1e-2), (m, role)
     step = ev.step_s
-    assert ev.busy_devices == {0: {"train": 2.0}, 1: {"rollout": 2.0}}  # each role alone, its devices in lockstep
+    assert ev.host_pricing["busy_devices"] == {
+        0: {"train": 2.0},
+        1: {"rollout": 2.0},
+    }  # each role alone, its devices in lockstep
     assert 0 < ev.rollout_s + ev.sync_s < step and 0 < ev.train_s < step  # though each waits part of the step
-    priced = cluster.with_busy_devices(ev.busy_devices)
+    priced = cluster.speeds.with_busy_devices(ev.host_pricing["busy_devices"])
     assert priced.speed(0, "compute", "train") == 0.5 and priced.speed(1, "bandwidth", "rollout") == 0.5
     assert priced.type_speed("cpu", "compute", "rollout") == 0.5  # of the machines where the role runs
 
@@ -306,10 +313,12 @@ def test_plans_keep_their_core_shares_through_the_plan_json():
     model, wl, eff = specs.load_model_spec(TINY), specs.Workload(**DEMO), specs.Efficiency(sync_latency_s=0.01)
     shared = schedule.plan(cpu_cluster(2), model, wl, eff)
     busy = shared["predicted"]["busy_devices"]["0"]
-    assert set(busy) == set(specs.ROLES) and all(2 < b <= 4 for b in busy.values())
+    assert set(busy) == set(host.ROLES) and all(2 < b <= 4 for b in busy.values())
     assert "busy_devices" not in schedule.plan(cpu_cluster(None), model, wl, eff)["predicted"]
     p, counts = schedule.planner_from_plan(shared)  # the plan's inputs keep host_cores, not the estimate
-    assert p.cluster.busy_devices == {} and p.evaluate(counts).step_s == pytest.approx(shared["predicted"]["step_s"])
+    assert p.cluster.speeds.busy_devices == {} and p.evaluate(counts).step_s == pytest.approx(
+        shared["predicted"]["step_s"]
+    )
 
 
 # ----------------------------------------------------------------------------- train overhead, decode rate
@@ -612,9 +621,9 @@ def test_each_new_key_moves_the_prediction(tmp_path):
     for key in ("rollout_s", "sync_s", "train_s", "step_s"):
         assert getattr(base, key) == pytest.approx(getattr(plain, key), rel=1e-12), key  # 4 cores: a core each
     shared = demo_eval(tmp_path, "shared", host_cores=2)
-    share = {role: min(1.0, 2 / b) for role, b in shared.busy_devices[0].items()}
+    share = {role: min(1.0, 2 / b) for role, b in shared.host_pricing["busy_devices"][0].items()}
     for role, b in seen_while_working(shared, 2, 2).items():
-        assert shared.busy_devices[0][role] == pytest.approx(b, rel=1e-3), role
+        assert shared.host_pricing["busy_devices"][0][role] == pytest.approx(b, rel=1e-3), role
     assert shared.rollout_s == pytest.approx(plain.rollout_s / share["rollout"])
     assert shared.sync_s == pytest.approx(plain.sync_s / min(share.values()))
     params = 4 * specs.load_model_spec(TINY).layer_params + specs.load_model_spec(TINY).head_params
@@ -701,8 +710,8 @@ def test_check_script_compares_the_steady_steps_with_the_prediction(tmp_path, ca
     assert run_prediction.train_passes({"ppo_minibatches": 4, "recompute_prox_logprobs": False, "kl_coef": 0.1}) == 4.0
     ev, planner = run_prediction.predict(str(ROOT / "exp/clusters/cpu.yaml"), [str(prof)], cfg, plan, layout, wl)
     assert (ev.train.dp, ev.train.tp, ev.train.pp, len(ev.rollout.replicas)) == (2, 1, 1, 2)
-    priced = planner.cluster.with_busy_devices(ev.busy_devices)
-    assert planner.cluster.speed(0) == 0.5 and 0.5 < priced.speed(0, "compute", "train") < 1
+    priced = planner.cluster.speeds.with_busy_devices(ev.host_pricing["busy_devices"])
+    assert planner.cluster.speeds.speed(0) == 0.5 and 0.5 < priced.speed(0, "compute", "train") < 1
     close = fake_run(tmp_path / "a", ev.step_s * 1.1)
     far = fake_run(tmp_path / "b", ev.step_s * 1.5)
     args = ["--profile", str(prof), "--prompt-len", "29", "--json", str(tmp_path / "c.json")]

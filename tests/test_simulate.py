@@ -130,8 +130,8 @@ def test_a_cpu_plans_replicas_run_at_the_core_share_it_was_priced_at():
     assert busy["train"] < 4  # the replicas wait part of the step, so the trainers get more than 2 / 4 of a core
     c, model, w, eff = simulate._inputs(pj, None, None)
     for role, b in busy.items():
-        assert c.speed(0, "bandwidth", role) == pytest.approx(min(1.0, 2 / b)), role
-    assert c.speed(0, "compute", "train") > 0.5
+        assert c.speeds.speed(0, "bandwidth", role) == pytest.approx(min(1.0, 2 / b)), role
+    assert c.speeds.speed(0, "compute", "train") > 0.5
     replicas = simulate.build_replicas(pj, c, model, w, eff)
     for rep, planned in zip(replicas, pj["rollout"]["replicas"]):
         assert rep.round_s[rep.batch] == pytest.approx(planned["round_s"], rel=1e-9)
