@@ -10,7 +10,7 @@ split of the GPUs, phase 2 searches the splits. Every time and memory number com
                             Theta* = B len / sum y h and minimising Theta == maximising sum y h: an integer knapsack.
   Phase 2   partition       GPUs grouped per machine in a networkx graph; Eq. 3 picks the trainer set that maximises
                             training-side link bandwidth + rollout-side HBM bandwidth at a compute share gamma;
-                            gamma is bisected until C_T ~ C_I (both directions, so training-bound workloads work too),
+                            gamma is bisected until C_T ~ C_I (Evaluation.train_side_s ~ rollout_side_s) (both directions, so training-bound workloads work too),
                             then phases alternate with local moves until the step time is stable for K rounds.
 """
 
@@ -97,11 +97,13 @@ class Evaluation:
         return self.sync_s if self.sync_send_s is None else self.sync_send_s
 
     @property
-    def c_t(self) -> float:
+    def train_side_s(self) -> float:
+        """The paper's C_T: what the train side takes per step (phase 2 balances it against rollout_side_s)."""
         return self.train_s
 
     @property
-    def c_i(self) -> float:
+    def rollout_side_s(self) -> float:
+        """The paper's C_I (inference): what the rollout side takes per step, its wait for the weights included."""
         return self.rollout_s + self.sync_s
 
 
@@ -616,21 +618,22 @@ class Planner:
             g.add_edge(a, b, beta=self.cluster.link_gbps(a, b))
         return g
 
-    def blind_order(self) -> tuple[int, ...]:
-        """The topology-blind fill order: largest machines first, then by index."""
+    def largest_first_order(self) -> tuple[int, ...]:
+        """The order in which trainers fill machines when links are ignored (--topology-blind, and the first of
+        machine_orders): largest machines first, then by index."""
         return tuple(m.index for m in sorted(self.cluster.machines, key=lambda m: (-m.gpus, m.index)))
 
     def machine_orders(self) -> list[tuple[int, ...]]:
-        """Orders in which trainers fill machines (`arrange`). Filling along an order puts the trainers on a prefix
+        """Orders in which trainers fill machines (`place_trainers`). Filling along an order puts the trainers on a prefix
         of it, so an order whose prefixes are well-connected groups keeps the trainer side's DP/TP/PP links fast
         and leaves the slow links to the weight-sync cut. Besides the blind order, two graph partitions of the link
         graph (machines as nodes, GB/s between them as edge weights) give such orders, each also reversed:
           - recursive Kernighan-Lin bisection (min-weight cut: the slowest links, e.g. between racks or regions,
             are cut first, so each side of every cut is contiguous in the order);
           - Louvain communities (modularity on the same weights): each community contiguous, largest first.
-        The cost model picks among the arrangements (`best_arrangement`). With uniform links every order is
+        The cost model picks among the placements (`best_placement`). With uniform links every order is
         equivalent, so only the blind one is used."""
-        blind = self.blind_order()
+        blind = self.largest_first_order()
         if len(self.cluster.machines) < 3:
             return [blind]
         g = self.graph()
@@ -664,22 +667,23 @@ class Planner:
     def per_type(self, counts: tuple[int, ...]) -> dict[str, int]:
         return {t: sum(k for m, k in zip(self.cluster.machines, counts) if m.gpu_type == t) for t in self.types}
 
-    def arrange(self, per_type: dict[str, int], order: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        """Per-type trainer counts -> per-machine counts, filling machines along `order` (default: largest first),
-        which keeps TP/DP groups inside machines and leaves whole machines to rollout."""
+    def place_trainers(self, per_type: dict[str, int], order: tuple[int, ...] | None = None) -> tuple[int, ...]:
+        """A split by type placed on machines: per-type trainer counts -> per-machine counts, filling machines along
+        `order` (default: largest first), which keeps TP/DP groups inside machines and leaves whole machines to
+        rollout."""
         counts = [0] * len(self.cluster.machines)
         for t, n in per_type.items():
-            for i in order or self.blind_order():
+            for i in order or self.largest_first_order():
                 if self.cluster.machines[i].gpu_type == t:
                     counts[i] = min(n, self.cluster.machines[i].gpus)
                     n -= counts[i]
         return tuple(counts)
 
-    def best_arrangement(self, per_type: dict[str, int]) -> Evaluation:
+    def best_placement(self, per_type: dict[str, int]) -> Evaluation:
         """The per-type split placed along each machine order; the cost model's fastest wins (ties: the first)."""
         best = None
         for order in self._orders:
-            ev = self.evaluate(self.canonical(self.arrange(per_type, order)))
+            ev = self.evaluate(self.canonical(self.place_trainers(per_type, order)))
             if best is None or ev.step_s < best.step_s * (1 - 1e-9):
                 best = ev
         return best
@@ -707,7 +711,7 @@ class Planner:
             per_type = dict(zip(self.types, combo))
             best = None
             for order in self._orders:  # Eq. 3 over where the trainers sit, too: the best-connected placement
-                k = self.arrange(per_type, order)
+                k = self.place_trainers(per_type, order)
                 share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total
                 beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + sum(
                     k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b]
@@ -750,12 +754,12 @@ class Planner:
             ev = self.evaluate(self.canonical(counts))
             per_type = self.per_type(counts)
             if len(self._orders) > 1:  # the same split placed along the other orders, if the cost model prefers one
-                ev = min((ev, self.best_arrangement(per_type)), key=lambda e: e.step_s)
+                ev = min((ev, self.best_placement(per_type)), key=lambda e: e.step_s)
             improved = best is None or ev.step_s < best.step_s * (1 - 1e-9)
             best = ev if improved else best
             self.stats.history.append(best.step_s)
             stable = 0 if improved else stable + 1
-            if ev.c_t < ev.c_i:
+            if ev.train_side_s < ev.rollout_side_s:
                 r = gamma  # training is faster: give it less compute
             else:
                 q = gamma
@@ -781,7 +785,7 @@ class Planner:
         best = None
         for combo in itertools.product(*[range(n + 1) for n in n_type]):
             if sum(combo) == need:
-                ev = self.best_arrangement(dict(zip(self.types, combo)))
+                ev = self.best_placement(dict(zip(self.types, combo)))
                 best = ev if best is None or ev.step_s < best.step_s else best
         self.stats.iterations, self.stats.seconds = self.stats.evaluations, time.perf_counter() - t0
         if best is None or not math.isfinite(best.step_s):
@@ -789,8 +793,9 @@ class Planner:
         return best
 
     def canonical(self, counts: tuple[int, ...]) -> tuple[int, ...]:
-        """Machines of one kind (type, size) are interchangeable unless links are given per machine pair:
-        sort trainer counts inside each kind so symmetric partitions share one cache entry."""
+        """The one split that stands for every split equal to `counts` up to swapping interchangeable machines:
+        machines of one kind (type, size) are interchangeable unless links are given per machine pair, so the
+        trainer counts are sorted inside each kind and symmetric splits share one evaluation (the cache's key)."""
         if self.cluster.machine_gbps:
             return counts
         out = list(counts)
@@ -814,7 +819,7 @@ class Planner:
                 cand = {t: current[t] + x for t, x in zip(self.types, d)}
                 if any(v < 0 or v > n_type[t] for t, v in cand.items()):
                     continue
-                ev = self.best_arrangement(cand)
+                ev = self.best_placement(cand)
                 if ev.step_s < best.step_s * (1 - 1e-9):
                     best, current, improved = ev, cand, True
             self.stats.history.append(best.step_s)
@@ -881,7 +886,7 @@ class Planner:
         for t in self.types:
             if self.replica_configs(t):
                 fits_roll = True
-            ev = self.evaluate(self.arrange({t: n_all[t]}))
+            ev = self.evaluate(self.place_trainers({t: n_all[t]}))
             fits_train |= ev.train is not None
         if not fits_roll:
             raise PlanError(
