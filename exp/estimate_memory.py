@@ -1,8 +1,10 @@
 """Peak device memory of every rank of a plan, from the runtime's own code run on fake tensors (planner/memory.py).
 
-python exp/estimate_memory.py --config gpu_r1_7b --plan plan.json [--json] [--headroom 0.9] [--jobs 2]
-python exp/estimate_memory.py --validate [--json]      # estimates vs measured peaks on CPU (real tensors, gloo)
-python exp/estimate_memory.py --measure-train-step --config <config> [--layers N]
+    python exp/estimate_memory.py --config gpu_r1_7b --plan plan.json [--json] [--headroom 0.9] [--jobs 2]
+    python exp/estimate_memory.py --validate [--json]      # estimates vs measured peaks on CPU (real tensors, gloo)
+    python exp/estimate_memory.py --measure-train-step --config <config> [--layers N]
+
+What runs and what is counted: planner/memory.py.
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Discrete-event simulation of the asynchronous RL pipeline of a plan JSON (planner/simulate.py).
 
-python exp/simulate.py --plan plan.json --steps 20 --eta 4
-python exp/simulate.py --plan plan.json --eta-sweep 0,1,2,4,8,16
-python exp/simulate.py --plan plan.json --eta 4 --consume-order all --long-tail 1.0
+    python exp/simulate.py --plan plan.json --steps 20 --eta 4
+    python exp/simulate.py --plan plan.json --eta-sweep 0,1,2,4,8,16
+    python exp/simulate.py --plan plan.json --eta 4 --consume-order all --long-tail 1.0
+
+The model and its assumptions: planner/simulate.py.
 """
 
 from __future__ import annotations

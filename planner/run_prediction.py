@@ -1,4 +1,4 @@
-"""Acceptance 4 of issue 21: does the planner, with a device profile, predict a run's step time?
+"""A recorded run's own split priced by the cost model with a device profile: does the planner predict its step?
 
     python exp/check_profile_prediction.py runs/<run> --profile exp/profiles/cpu.yaml [--cluster exp/clusters/cpu.yaml]
 
