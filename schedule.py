@@ -28,1030 +28,19 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass, field
-from functools import cache
+from dataclasses import asdict
 
-import mip
-import networkx as nx
-
-import cost_model as cm
-from cost_model import Cluster, Efficiency, ModelSpec, ReplicaCost, StageSpec, Workload
+from parallel import sync_layout
 from parallel.rankmap import PlanError
-
-# ----------------------------------------------------------------------------- plan pieces
-
-
-@dataclass
-class TrainPlan:
-    dp: int
-    tp: int
-    pp: int
-    stages: list[tuple[str, int, list[int]]]  # (gpu_type, layers, gpu ids in tp-fastest order)
-    seconds: float
-    # per stage, the seconds its GPUs work in a step (the rest of it is 1F1B bubble); None: all of `seconds`
-    stage_busy_s: list[float] | None = None
-
-
-@dataclass(frozen=True)
-class ReplicaConfig:
-    gpu_type: str
-    tp: int
-    pp: int
-    cost: ReplicaCost
-
-
-@dataclass
-class RolloutPlan:
-    replicas: list[tuple[ReplicaConfig, list[int]]]  # config, gpu ids (stage-major, tp-fastest)
-    tokens_per_s: float
-    prefill_tflops: float
-    seq_tokens_per_s: float  # decode speed of one sequence on the fastest replica
-
-
-@dataclass
-class SolverStats:
-    seconds: float = 0.0
-    iterations: int = 0
-    evaluations: int = 0
-    milp_solves: int = 0
-    status: str = "optimal"
-    history: list[float] = field(default_factory=list)
-
-
-# Rounds of Planner.evaluate's core-share fixed point: the roles' shares feed each other (a slower replica is busy
-# longer, which slows the trainers beside it), 5 pricings on the CPU demo's split at eta 4, one at eta 0
-CORE_SHARE_ROUNDS = 12
-
-
-def powers_of_two(limit: int) -> list[int]:
-    return [1 << i for i in range(limit.bit_length()) if (1 << i) <= limit]
-
-
-@dataclass
-class Evaluation:
-    train_counts: tuple[int, ...]  # train GPUs per machine (the first k of each machine)
-    train: TrainPlan | None
-    rollout: RolloutPlan | None
-    train_s: float
-    rollout_s: float
-    sync_s: float
-    step_s: float
-    tokens_per_s: float
-    # machine -> role -> devices busy at once while one of that role works, the core shares were priced with (CPU
-    # clusters; Planner.busy_devices; empty: every device busy)
-    busy_devices: dict[int, dict[str, float]] = field(default_factory=dict)
-    # GPU type -> the decode contention its replicas were priced with beside this split's trainers (CPU emulation;
-    # cost_model.decode_contention; empty: none)
-    decode_contention: dict[str, float] = field(default_factory=dict)
-    # the train side's part of sync_s: until its sends are done (cost_model.sync_times); sync_s is until every
-    # replica holds the version. None: the same
-    sync_send_s: float | None = None
-
-    @property
-    def train_sync_s(self) -> float:
-        return self.sync_s if self.sync_send_s is None else self.sync_send_s
-
-    @property
-    def c_t(self) -> float:
-        return self.train_s
-
-    @property
-    def c_i(self) -> float:
-        return self.rollout_s + self.sync_s
-
-
-# ----------------------------------------------------------------------------- the planner
-
-
-def rollout_tp_problems(model: ModelSpec, tp: int) -> list[str]:
-    """Why a rollout replica of TP degree tp cannot shard this model (empty if it can): like the trainer's tensor
-    parallelism it splits whole attention heads, KV heads (never replicated), MLP rows and vocabulary rows."""
-    counts = [
-        ("attention heads", model.heads),
-        ("KV heads", model.kv_heads),
-        ("intermediate size", model.intermediate),
-        ("vocab size", model.vocab),
-    ]
-    return [f"{what} ({n})" for what, n in counts if n % tp]
-
-
-def check_rollout_tp(cluster: Cluster, model: ModelSpec, tp: int) -> None:
-    """--rollout-tp K: K must shard the model and fit inside one machine of some GPU type (TP stays in a machine)."""
-    if tp < 1:
-        raise PlanError(f"--rollout-tp must be >= 1, got {tp}")
-    bad = rollout_tp_problems(model, tp)
-    if bad:
-        raise PlanError(
-            f"--rollout-tp {tp} does not divide the model {model.name}'s {', '.join(bad)}: a TP replica shards "
-            "whole heads, MLP rows and vocabulary rows and does not replicate KV heads"
-        )
-    largest = {}
-    for m in cluster.machines:
-        largest[m.gpu_type] = max(largest.get(m.gpu_type, 0), m.gpus)
-    if max(largest.values()) < tp:
-        sizes = ", ".join(f"{t}: {n}" for t, n in sorted(largest.items()))
-        raise PlanError(
-            f"--rollout-tp {tp}: no machine has {tp} GPUs of one type for a TP-{tp} rollout replica "
-            f"(largest machine per GPU type: {sizes})"
-        )
-
-
-class Planner:
-    """Holds the cluster, model, workload and caches; phase 1 plans one split, the rest evaluates and searches
-    splits."""
-
-    def __init__(
-        self,
-        cluster: Cluster,
-        model: ModelSpec,
-        wl: Workload,
-        eff: Efficiency | None = None,
-        max_seconds: float = 10.0,
-        forced_layout: tuple[int, int, int] | None = None,
-        rollout_tp: int | None = None,
-        weight_bucket_mb: float = 64.0,
-    ) -> None:
-        if rollout_tp is not None:
-            check_rollout_tp(cluster, model, rollout_tp)
-        self.cluster, self.model, self.wl = cluster, model, wl
-        self.eff = eff or Efficiency()
-        self.max_seconds = max_seconds
-        self.forced_layout = forced_layout
-        self.rollout_tp = rollout_tp
-        self.weight_bucket_mb = weight_bucket_mb  # dist.weight_bucket_mb of the run: the sync schedule's bucket
-        self._sync_cache: dict[tuple, list[cm.SyncBucket]] = {}
-        self.stats = SolverStats()
-        # global GPU ids in cluster order; machine m owns ids first[m] .. first[m] + gpus - 1
-        self.first, n = [], 0
-        for m in cluster.machines:
-            self.first.append(n)
-            n += m.gpus
-        self.gpu_machine = [m.index for m in cluster.machines for _ in range(m.gpus)]
-        self.types = sorted({m.gpu_type for m in cluster.machines})
-        self._rollout_cache: dict[tuple, tuple[float, list]] = {}
-        self._configs_cache: dict[str, list[ReplicaConfig]] = {}
-        self._split_cache: dict[tuple, list[int] | None] = {}
-        self._eval_cache: dict[tuple[int, ...], Evaluation] = {}
-        self._orders = self.machine_orders()
-
-    # ------------------------------------------------------------------ Phase 1a: training plan
-    def train_plan(self, train_counts: tuple[int, ...]) -> TrainPlan | None:
-        per_type: dict[str, list[int]] = {}
-        for m, k in zip(self.cluster.machines, train_counts):
-            per_type.setdefault(m.gpu_type, []).extend(range(self.first[m.index], self.first[m.index] + k))
-        per_type = {t: ids for t, ids in per_type.items() if ids}
-        total = sum(len(ids) for ids in per_type.values())
-        if total == 0:
-            return None
-        g = math.gcd(*[len(ids) for ids in per_type.values()])
-        best: TrainPlan | None = None
-        for group in (d for d in range(1, g + 1) if g % d == 0):  # group = dp * tp GPUs of one stage
-            pp = total // group
-            if pp > self.model.layers:
-                continue
-            for tp in (t for t in range(1, group + 1) if group % t == 0 and self.tp_ok(t)):
-                dp = group // tp
-                if self.forced_layout and (dp, tp, pp) != self.forced_layout:
-                    continue
-                for order in itertools.permutations(sorted(per_type)):
-                    plan = self._layout(per_type, order, dp, tp, pp)
-                    if plan and (best is None or plan.seconds < best.seconds):
-                        best = plan
-        return best
-
-    def tp_ok(self, tp: int) -> bool:
-        """TP must split the attention heads and the KV heads evenly: the runtime shards both and never replicates KV
-        heads (parallel/tensor_parallel.py refuses a tp above num_key_value_heads)."""
-        return self.model.heads % tp == 0 and self.model.kv_heads % tp == 0
-
-    def _layout(
-        self, per_type: dict[str, list[int]], order: tuple[str, ...], dp: int, tp: int, pp: int
-    ) -> TrainPlan | None:
-        ids = [i for t in order for i in per_type[t]]
-        group = dp * tp
-        blocks = [ids[k * group : (k + 1) * group] for k in range(pp)]
-        types = [self.cluster.machines[self.gpu_machine[b[0]]].gpu_type for b in blocks]
-        gm = self.gpu_machine
-        specs = []
-        for k, b in enumerate(blocks):
-            tp_groups = [b[j * tp : (j + 1) * tp] for j in range(dp)]
-            dp_groups = [b[j::tp] for j in range(tp)]
-            tp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in tp_groups)
-            dp_bw = min(self.cluster.group_gbps({gm[i] for i in grp}) for grp in dp_groups)
-            nxt = min(self.cluster.link_gbps(gm[a], gm[c]) for a, c in zip(b, blocks[k + 1])) if k + 1 < pp else 0.0
-            specs.append((types[k], tuple(sorted({gm[i] for i in b})), tp_bw, dp_bw, nxt))
-        # CPU cores shared, emulated types (Cluster.speed)
-        speeds = [min(self.cluster.speed(m, "compute", "train") for m in ms) for _, ms, *_ in specs]
-        key = (tuple(types), dp, tp, pp)
-        if key not in self._split_cache:
-            self._split_cache[key] = self._split_layers(types, dp, tp, pp)
-        layers = self._split_cache[key]
-        if layers is None:
-            return None
-        stages = [StageSpec(t, l, ms, a, b, c, v) for (t, ms, a, b, c), l, v in zip(specs, layers, speeds)]
-        secs, busy = cm.train_step_times(self.model, stages, dp, tp, self.cluster.gpu_types, self.wl, self.eff)
-        return TrainPlan(dp, tp, pp, [(t, l, b) for t, l, b in zip(types, layers, blocks)], secs, busy)
-
-    def _split_layers(self, types: list[str], dp: int, tp: int, pp: int) -> list[int] | None:
-        """Layers per stage proportional to stage compute (the LM head counts on the last stage), then
-        moved off stages that exceed memory, then greedily off the slowest stage while that helps."""
-        L, mdl = self.model.layers, self.model
-        speed = [
-            self.cluster.gpu(t).tflops * self.eff.of(t).mfu_train * self.cluster.type_speed(t, "compute", "train")
-            for t in types
-        ]
-        f_layer = mdl.layer_flops_per_token(self.wl.decode_context)
-        f_head = 2 * mdl.head_params
-        head = [0.0] * (pp - 1) + [f_head]
-        target = (L * f_layer + f_head) / sum(speed)
-        ideal = [max(1.0, (target * s - h) / f_layer) for s, h in zip(speed, head)]
-        layers = [max(1, int(x)) for x in ideal]
-        while sum(layers) > L:
-            k = max((i for i in range(pp) if layers[i] > 1), key=lambda i: layers[i] - ideal[i], default=None)
-            if k is None:
-                return None
-            layers[k] -= 1
-        while sum(layers) < L:
-            layers[min(range(pp), key=lambda i: layers[i] - ideal[i])] += 1
-
-        def mem_ok(k: int, lk: int) -> bool:
-            need, budget = self.stage_memory(types, k, lk, dp, tp, pp)
-            return need <= budget
-
-        def time_of(k: int, lk: int) -> float:
-            return (lk * f_layer + head[k]) / speed[k]
-
-        for _ in range(L * pp):  # memory rebalance
-            over = [k for k in range(pp) if not mem_ok(k, layers[k])]
-            if not over:
-                break
-            k = over[0]
-            dst = [j for j in range(pp) if j != k and mem_ok(j, layers[j] + 1)]
-            if layers[k] <= 1 or not dst:
-                return None
-            layers[k] -= 1
-            layers[min(dst, key=lambda j: time_of(j, layers[j] + 1))] += 1
-        if any(not mem_ok(k, layers[k]) for k in range(pp)):
-            return None
-        for _ in range(L):  # balance: shave the slowest stage
-            slow = max(range(pp), key=lambda k: time_of(k, layers[k]))
-            if layers[slow] <= 1:
-                break
-            cands = [
-                j
-                for j in range(pp)
-                if j != slow and mem_ok(j, layers[j] + 1) and time_of(j, layers[j] + 1) < time_of(slow, layers[slow])
-            ]
-            if not cands:
-                break
-            layers[slow] -= 1
-            layers[min(cands, key=lambda j: time_of(j, layers[j] + 1))] += 1
-        return layers
-
-    # ------------------------------------------------------------------ memory: the runtime's numbers
-    def memory_budget(self, gpu_type: str) -> float:
-        """Bytes a rank may allocate: mem_frac of its HBM (the rest is headroom for what no tensor accounts for:
-        CUDA context, NCCL buffers, allocator fragmentation)."""
-        return self.cluster.gpu(gpu_type).hbm_gb * 1e9 * self.eff.mem_frac
-
-    def stage_memory(self, types: list[str], k: int, lk: int, dp: int, tp: int, pp: int) -> tuple[float, float]:
-        """(bytes a GPU of stage k needs, bytes it may use): cost_model.train_memory_parts' total, the trainer's peak as
-        exp/estimate_memory.py measures it on the runtime's own code."""
-        need = cm.train_memory_parts(self.model, lk, k == pp - 1, k == 0, dp, tp, k, pp, self.wl)["peak_bytes"]
-        return need, self.memory_budget(types[k])
-
-    def _closest_fit(self, layouts: list[tuple[list[str], int, int, int]]) -> tuple | None:
-        """Among (stage types, dp, tp, pp) layouts, the one whose worst stage overshoots its budget least, its layers
-        spread to even out the overshoot: (ratio, layout, layers, worst stage)."""
-        best = None
-        L = self.model.layers
-        for types, dp, tp, pp in layouts:
-            if pp > L:
-                continue
-            layers = cm.layer_counts(L, pp)
-
-            def ratio(k: int, lk: int, types=types, dp=dp, tp=tp, pp=pp) -> float:
-                need, budget = self.stage_memory(types, k, lk, dp, tp, pp)
-                return need / budget
-
-            for _ in range(L * pp):  # move a layer from the most to the least loaded stage while that helps
-                worst = max(range(pp), key=lambda k: ratio(k, layers[k]))
-                light = min(range(pp), key=lambda k: ratio(k, layers[k] + 1))
-                if layers[worst] <= 1 or ratio(light, layers[light] + 1) >= ratio(worst, layers[worst]):
-                    break
-                layers[worst] -= 1
-                layers[light] += 1
-            worst = max(range(pp), key=lambda k: ratio(k, layers[k]))
-            cand = (ratio(worst, layers[worst]), (types, dp, tp, pp), layers, worst)
-            best = cand if best is None or cand[0] < best[0] else best
-        return best
-
-    def memory_error(self, what: str, layouts: list[tuple[list[str], int, int, int]]) -> str | None:
-        """One line naming the rank that does not fit and its bytes, for the closest of `layouts` (None if one fits
-        or there is none)."""
-        best = self._closest_fit(layouts)
-        if best is None or best[0] <= 1.0:
-            return None
-        _, (types, dp, tp, pp), layers, k = best
-        parts = cm.train_memory_parts(self.model, layers[k], k == pp - 1, k == 0, dp, tp, k, pp, self.wl)
-        start = sum(layers[:k])
-        kinds = ", ".join(
-            f"{name} {parts[name] / 1e9:.1f}" for name in ("weights", "grads", "optimizer", "activations", "logits")
-        )
-        gpu = self.cluster.gpu(types[k])
-        first = k * dp * tp  # train ranks are stage-major, and in a plan the trainers come first
-        return (
-            f"memory: {what}: train layout dp {dp} x tp {tp} x pp {pp} does not fit even with layers spread by memory "
-            f"({'+'.join(map(str, layers))}): rank {first} (stage {k}: layers {start}-{start + layers[k] - 1} on "
-            f"{types[k]}, dp 0, tp 0; every rank of the stage alike) needs {parts['peak_bytes'] / 1e9:.1f} GB ({kinds}) > "
-            f"{self.memory_budget(types[k]) / 1e9:.1f} GB ({self.eff.mem_frac:g} x {gpu.hbm_gb:g} GB HBM)"
-        )
-
-    def rollout_memory_error(self) -> str:
-        """Why no rollout replica fits, naming the smallest replica's bytes against its budget."""
-        lines = []
-        for t in self.types:
-            max_tp = max(m.gpus for m in self.cluster.machines if m.gpu_type == t)
-            tps = [self.rollout_tp] if self.rollout_tp else powers_of_two(max_tp)
-            tps = [tp for tp in tps if tp <= max_tp and not rollout_tp_problems(self.model, tp)] or [1]
-            tp = max(tps)
-            parts = cm.replica_memory_parts(self.model, tp, 0.0, 0, self.wl, self.weight_bucket_mb * 2**20)
-            lines.append(
-                f"a TP-{tp} replica on {t} needs {parts['peak_bytes'] / 1e9:.1f} GB per GPU before any KV cache "
-                f"(the whole model while it loads, {parts['weights'] / 1e9:.1f} GB of weights once sliced) > "
-                f"{self.memory_budget(t) / 1e9:.1f} GB"
-            )
-        return "; ".join(lines)
-
-    # ------------------------------------------------------------------ Phase 1b: rollout plan
-    def replica_configs(self, gpu_type: str) -> list[ReplicaConfig]:
-        """Psi for one GPU type: TP inside one machine (powers of two, or exactly --rollout-tp), PP = 1. The
-        runtime runs TP replicas only (stage-wise decode across machines is not built), and shards like the
-        trainer's tensor parallelism without replicating KV heads (`rollout_tp_problems`)."""
-        if gpu_type not in self._configs_cache:
-            gpu = self.cluster.gpu(gpu_type)
-            max_tp = max(m.gpus for m in self.cluster.machines if m.gpu_type == gpu_type)
-            tps = powers_of_two(max_tp) if self.rollout_tp is None else [self.rollout_tp]
-            out = []
-            for tp in tps:
-                if tp > max_tp or rollout_tp_problems(self.model, tp):
-                    continue
-                bucket = self.weight_bucket_mb * 2**20  # the weight-sync buffers count against memory
-                # < 1 only where CPU processes share cores or the type is emulated
-                decode = self.cluster.decode_speed(gpu_type)
-                prefill = self.cluster.type_speed(gpu_type, "compute", "rollout")
-                cost = cm.replica_cost(
-                    self.model, gpu, tp, 1, self.wl, self.eff, gpu.intra_gbps, bucket, decode, prefill
-                )
-                if cost:
-                    out.append(ReplicaConfig(gpu_type, tp, 1, cost))
-            self._configs_cache[gpu_type] = out
-        return self._configs_cache[gpu_type]
-
-    def _type_rollout_milp(self, gpu_type: str, free: tuple[int, ...]) -> tuple[float, dict]:
-        """Max sum y_psi h_psi for one GPU type, `free` = rollout GPUs per machine (sorted). Returns
-        (tokens/s, {"y": {config index: count}, "patterns": [(machine slot, [tp sizes])]})."""
-        configs = self.replica_configs(gpu_type)
-        tps = sorted({c.tp for c in configs})
-        if not configs or sum(free) == 0:
-            return 0.0, {"y": {}, "patterns": []}
-        classes = sorted(set(free))
-        patterns = {r: _tp_patterns(r, tuple(tps)) for r in classes}
-        model = mip.Model(sense=mip.MAXIMIZE, solver_name=mip.CBC)
-        model.verbose = 0
-        y = [model.add_var(var_type=mip.INTEGER, lb=0) for _ in configs]
-        w = {(r, j): model.add_var(var_type=mip.INTEGER, lb=0) for r in classes for j in range(len(patterns[r]))}
-        for r in classes:
-            model += mip.xsum(w[r, j] for j in range(len(patterns[r]))) == free.count(r)
-        for tp in tps:
-            supply = mip.xsum(w[r, j] * patterns[r][j].count(tp) for r in classes for j in range(len(patterns[r])))
-            model += mip.xsum(c.pp * y[i] for i, c in enumerate(configs) if c.tp == tp) <= supply
-        model.objective = mip.xsum(c.cost.tokens_per_s * y[i] for i, c in enumerate(configs))
-        status = model.optimize(max_seconds=self.max_seconds)
-        self.stats.milp_solves += 1
-        if status not in (mip.OptimizationStatus.OPTIMAL, mip.OptimizationStatus.FEASIBLE):
-            raise PlanError(f"rollout MILP for {gpu_type} ended with status {status.name}")
-        if status != mip.OptimizationStatus.OPTIMAL:
-            self.stats.status = "feasible (time limit)"
-        counts = {i: int(round(v.x)) for i, v in enumerate(y) if v.x and v.x > 0.5}
-        slots = []
-        for r in classes:
-            for j, pat in enumerate(patterns[r]):
-                slots += [(r, pat)] * int(round(w[r, j].x or 0))
-        return sum(configs[i].cost.tokens_per_s * n for i, n in counts.items()), {"y": counts, "patterns": slots}
-
-    def _type_rollout_brute(self, gpu_type: str, free: tuple[int, ...]) -> tuple[float, dict]:
-        """--exhaustive: enumerate every multiset of replicas, keep the best one that packs into machines."""
-        configs = self.replica_configs(gpu_type)
-        best: tuple[float, dict] = (0.0, {"y": {}})
-
-        def packs(need: dict[int, int]) -> bool:
-            groups = sorted((tp for tp, n in need.items() for _ in range(n)), reverse=True)
-            return _pack(tuple(groups), tuple(sorted(free, reverse=True)))
-
-        def rec(i: int, left: int, y: dict[int, int], value: float) -> None:
-            nonlocal best
-            if i == len(configs):
-                need: dict[int, int] = {}
-                for j, n in y.items():
-                    need[configs[j].tp] = need.get(configs[j].tp, 0) + configs[j].pp * n
-                if value > best[0] and packs(need):
-                    best = (value, {"y": dict(y)})
-                return
-            c = configs[i]
-            for n in range(left // (c.tp * c.pp) + 1):
-                if n:
-                    y[i] = n
-                rec(i + 1, left - n * c.tp * c.pp, y, value + n * c.cost.tokens_per_s)
-            y.pop(i, None)
-
-        rec(0, sum(free), {}, 0.0)
-        return best
-
-    def rollout_plan(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> RolloutPlan | None:
-        free_by_type: dict[str, list[tuple[int, int]]] = {}
-        for m, k in zip(self.cluster.machines, train_counts):
-            if m.gpus - k > 0:
-                free_by_type.setdefault(m.gpu_type, []).append((m.gpus - k, m.index))
-        replicas: list[tuple[ReplicaConfig, list[int]]] = []
-        for t, free in free_by_type.items():
-            key = (t, tuple(sorted(r for r, _ in free)), exhaustive)
-            if key not in self._rollout_cache:
-                solve = self._type_rollout_brute if exhaustive else self._type_rollout_milp
-                self._rollout_cache[key] = solve(t, key[1])
-            value, sol = self._rollout_cache[key]
-            if value > 0:
-                replicas += self._place_replicas(t, free, sol, train_counts)
-        if not replicas:
-            return None
-        total = sum(c.cost.tokens_per_s for c, _ in replicas)
-        prefill = sum(c.cost.prefill_tflops for c, _ in replicas)
-        seq = max(1.0 / c.cost.round_s for c, _ in replicas)
-        return RolloutPlan(replicas, total, prefill, seq)
-
-    def _place_replicas(
-        self, gpu_type: str, free: list[tuple[int, int]], sol: dict, train_counts: tuple[int, ...]
-    ) -> list[tuple[ReplicaConfig, list[int]]]:
-        """Turn replica counts into concrete GPUs: cut each machine's rollout GPUs into TP groups
-        (largest first, contiguous local ids), then give each replica pp groups of its TP size."""
-        configs = self.replica_configs(gpu_type)
-        demand = sorted(((configs[i], n) for i, n in sol["y"].items()), key=lambda cn: -cn[0].tp)
-        need = {}
-        for c, n in demand:
-            need[c.tp] = need.get(c.tp, 0) + c.pp * n
-        groups: dict[int, list[list[int]]] = {tp: [] for tp in need}
-        machines = sorted(free, key=lambda rm: (-rm[0], rm[1]))
-        cursor = {m: self.first[m] + train_counts[m] for _, m in machines}
-        left = {m: r for r, m in machines}
-        for tp in sorted(need, reverse=True):  # first-fit decreasing (exact for powers of 2)
-            for _, m in machines:
-                while len(groups[tp]) < need[tp] and left[m] >= tp:
-                    groups[tp].append(list(range(cursor[m], cursor[m] + tp)))
-                    cursor[m] += tp
-                    left[m] -= tp
-            if len(groups[tp]) < need[tp]:
-                raise PlanError(f"internal: could not place {need[tp]} TP-{tp} groups on {gpu_type} machines")
-        out = []
-        for c, n in demand:
-            for _ in range(n):
-                ids = [i for _ in range(c.pp) for i in groups[c.tp].pop(0)]
-                out.append((c, ids))
-        return out
-
-    # ------------------------------------------------------------------ weight sync, as the runtime runs it
-    def sync_buckets(self, train: TrainPlan) -> list[cm.SyncBucket]:
-        """The buckets parallel/weight_sync.py sends for this training plan (cm.sync_buckets, one function)."""
-        ranges, start = [], 0
-        for _, layers, _ in train.stages:
-            ranges.append((start, start + layers))
-            start += layers
-        key = tuple(ranges)
-        if key not in self._sync_cache:
-            table = cm.hf_param_table(self.model)
-            self._sync_cache[key] = cm.sync_buckets(table, ranges, self.wl.bytes, int(self.weight_bucket_mb * 2**20))
-        return self._sync_cache[key]
-
-    def rollout_machines(self, rollout) -> dict[int, int]:
-        """Rollout machine -> its number of replicas (each machine gets one copy; its relay forwards the rest)."""
-        out: dict[int, int] = {}
-        for _, ids in rollout.replicas:
-            m = self.gpu_machine[ids[0]]
-            out[m] = out.get(m, 0) + 1
-        return out
-
-    def owner_machines(self, train: TrainPlan) -> list[list[int]]:
-        """[stage][dp] -> the machine of that DP replica's owner of the stage (its tp 0 GPU)."""
-        return [[self.gpu_machine[ids[d * train.tp]] for d in range(train.dp)] for _, _, ids in train.stages]
-
-    # ------------------------------------------------------------------ evaluate one partition
-    def evaluate(self, train_counts: tuple[int, ...], exhaustive: bool = False) -> Evaluation:
-        """The step of one split (train GPUs per machine). On machines whose devices share host cores (CPU
-        clusters), the core share each device gets depends on how many are busy at once, which depends on the step
-        being priced: the split is priced again with the busy devices of the last pricing (busy_devices) until they
-        settle -- at once on a single machine, where every time scales with the one share and the busy fractions do
-        not change. A CPU-emulated type whose profile measured its decode beside each type's trainers
-        (TypeEfficiency.decode_beside) has its replicas priced at the contention of this split's trainers
-        (cost_model.decode_contention)."""
-        key = train_counts + ((1,) if exhaustive else ())
-        if key in self._eval_cache:
-            return self._eval_cache[key]
-        self.stats.evaluations += 1
-        contention = cm.decode_contention(self.eff, self.per_type(train_counts))
-        pricer: Planner = self
-        if contention != self.cluster.decode_contention:
-            pricer = self._priced_on(self.cluster.with_busy_devices(self.cluster.busy_devices, contention))
-        ev = pricer._price(train_counts, exhaustive)
-        ev.decode_contention = contention
-        shared = any(m.host_cores is not None for m in self.cluster.machines)
-        for _ in range(CORE_SHARE_ROUNDS if shared else 0):
-            if not math.isfinite(ev.step_s):
-                break
-            busy = self.busy_devices(ev)
-            before = pricer.cluster.busy_devices
-            if all(
-                abs(b - before.get(m, {}).get(r, -1.0)) < 1e-3 for m, roles in busy.items() for r, b in roles.items()
-            ):
-                break
-            pricer = self._priced_on(self.cluster.with_busy_devices(busy, contention))
-            ev = pricer._price(train_counts, exhaustive)
-            ev.busy_devices, ev.decode_contention = busy, contention
-        self._eval_cache[key] = ev
-        return ev
-
-    def busy_devices(self, ev: Evaluation) -> dict[int, dict[str, float]]:
-        """Machine -> role -> its devices busy at once while one of that role works, in the step `ev` prices
-        (Cluster.speed). Each device's busy fraction of the step: a train GPU's for its stage's own work (not the
-        1F1B bubble) and the train side's weight sync, a rollout GPU's for generation, reward and the sync until its
-        replicas hold the version; a GPU in neither role idles. While one device works:
-          - the devices in lockstep with it work too: its stage's other DP and TP ranks (they meet at every
-            collective) or, for a replica, the other replicas (gated together: by the weight version they wait for
-            and the batches that version releases), so a replica busy a third of the step decodes beside the other
-            replicas, not beside a third of them;
-          - a train rank of another pipeline stage works as much of this stage's work as the train step's span
-            forces them to share: (own + other - span) / own, at least 0 (the 1F1B schedule: both work in its
-            steady phase, one alone in the other's bubble);
-          - the other role's devices work their busy fraction, independent of it (eta > 0: the two sides overlap
-            freely), or not at all (eta = 0: the step runs them back to back).
-        A machine's value for the train role is the mean over its train ranks. A device's own idle time frees its
-        core for the others but is no relief while it works: counting each device by its mean busy fraction (what
-        this did before) gave a replica busy a third of the step the share of the step's mean demand, while it
-        decodes when the trainers and the other replicas do."""
-        step = ev.step_s
-        work = ev.train.stage_busy_s or [ev.train_s] * len(ev.train.stages)
-        rollout_busy = min(1.0, (ev.rollout_s + self.wl.reward_s + ev.sync_s) / step)
-        # machine -> stage -> its ranks there
-        ranks: dict[int, dict[int, int]] = {m.index: {} for m in self.cluster.machines}
-        replicas: dict[int, int] = {m.index: 0 for m in self.cluster.machines}
-        for k, (_, _, ids) in enumerate(ev.train.stages):
-            for i in ids:
-                ranks[self.gpu_machine[i]][k] = ranks[self.gpu_machine[i]].get(k, 0) + 1
-        for _, ids in ev.rollout.replicas:
-            for i in ids:
-                replicas[self.gpu_machine[i]] += 1
-        stage_busy = [min(1.0, (w + ev.train_sync_s) / step) for w in work]  # of the step
-
-        def together(k: int, j: int) -> float:
-            """Of stage k's work, the part stage j works at the same time (the train step's span forces it)."""
-            if j == k:
-                return 1.0
-            if work[k] <= 0:
-                return 0.0
-            return min(1.0, max(0.0, work[k] + work[j] - ev.train_s) / work[k])
-
-        overlap = 1.0 if self.wl.eta > 0 else 0.0
-        busy: dict[int, dict[str, float]] = {}
-        for m, here in ranks.items():
-            busy[m] = {}  # only the roles the machine's devices have (an idle device sees nothing)
-            if here:
-                rollout_side = overlap * replicas[m] * rollout_busy
-                seen = {k: sum(n * together(k, j) for j, n in here.items()) + rollout_side for k in here}
-                busy[m]["train"] = sum(n * seen[k] for k, n in here.items()) / sum(here.values())  # over its ranks
-            if replicas[m]:
-                busy[m]["rollout"] = replicas[m] + overlap * sum(n * stage_busy[k] for k, n in here.items())
-        return busy
-
-    def _priced_on(self, cluster: Cluster) -> Planner:
-        """This planner on `cluster` (same model, workload, efficiencies and options), with fresh caches."""
-        pricer = Planner(
-            cluster,
-            self.model,
-            self.wl,
-            self.eff,
-            self.max_seconds,
-            self.forced_layout,
-            self.rollout_tp,
-            self.weight_bucket_mb,
-        )
-        pricer.stats = self.stats  # its MILP solves are this planner's
-        return pricer
-
-    def _price(self, train_counts: tuple[int, ...], exhaustive: bool) -> Evaluation:
-        train = self.train_plan(train_counts)
-        rollout = self.rollout_plan(train_counts, exhaustive)
-        inf = math.inf
-        train_s = train.seconds if train else inf
-        rollout_s = inf
-        if rollout:
-            rollout_s = cm.rollout_seconds(
-                self.model,
-                self.wl,
-                rollout.tokens_per_s,
-                rollout.prefill_tflops,
-                rollout.seq_tokens_per_s,
-                sum(c.cost.batch for c, _ in rollout.replicas),
-                train_s,
-            )
-        sync_s = sync_send_s = inf
-        if train and rollout:
-            machines = self.rollout_machines(rollout)
-            owners = self.owner_machines(train)
-            # the train side's owners send, the rollout ranks receive: the slower end sets the hop
-            speed = min(
-                [self.cluster.speed(m, "link", "rollout") for m in machines]
-                + [self.cluster.speed(m, "link", "train") for stage in owners for m in stage]
-            )
-            sync_send_s, sync_s = cm.sync_times(
-                self.sync_buckets(train), machines, owners, self.cluster.link_gbps, self.eff, speed
-            )
-        step = cm.step_seconds(rollout_s, train_s, sync_s, self.wl, sync_send_s) if math.isfinite(sync_s) else inf
-        ev = Evaluation(
-            train_counts,
-            train,
-            rollout,
-            train_s,
-            rollout_s,
-            sync_s,
-            step,
-            self.wl.tokens_per_step / step if math.isfinite(step) else 0.0,
-            sync_send_s=sync_send_s,
-        )
-        return ev
-
-    # ------------------------------------------------------------------ Phase 2: graph partition
-    def graph(self) -> nx.Graph:
-        """Machines as nodes (GPU count, compute c, HBM bandwidth m, HBM size M); links as edges (beta)."""
-        g = nx.Graph()
-        for m in self.cluster.machines:
-            gpu = self.cluster.gpu(m.gpu_type)
-            g.add_node(m.index, gpus=m.gpus, c=gpu.tflops, m=gpu.hbm_tbps, M=gpu.hbm_gb, beta_intra=gpu.intra_gbps)
-        for a, b in itertools.combinations(range(len(self.cluster.machines)), 2):
-            g.add_edge(a, b, beta=self.cluster.link_gbps(a, b))
-        return g
-
-    def blind_order(self) -> tuple[int, ...]:
-        """The topology-blind fill order: largest machines first, then by index."""
-        return tuple(m.index for m in sorted(self.cluster.machines, key=lambda m: (-m.gpus, m.index)))
-
-    def machine_orders(self) -> list[tuple[int, ...]]:
-        """Orders in which trainers fill machines (`arrange`). Filling along an order puts the trainers on a prefix
-        of it, so an order whose prefixes are well-connected groups keeps the trainer side's DP/TP/PP links fast
-        and leaves the slow links to the weight-sync cut. Besides the blind order, two graph partitions of the link
-        graph (machines as nodes, GB/s between them as edge weights) give such orders, each also reversed:
-          - recursive Kernighan-Lin bisection (min-weight cut: the slowest links, e.g. between racks or regions,
-            are cut first, so each side of every cut is contiguous in the order);
-          - Louvain communities (modularity on the same weights): each community contiguous, largest first.
-        The cost model picks among the arrangements (`best_arrangement`). With uniform links every order is
-        equivalent, so only the blind one is used."""
-        blind = self.blind_order()
-        if len(self.cluster.machines) < 3:
-            return [blind]
-        g = self.graph()
-        if len({d["beta"] for _, _, d in g.edges(data=True)}) <= 1:
-            return [blind]
-        rank_in_blind = {m: i for i, m in enumerate(blind)}
-
-        def bisect(nodes: list[int]) -> list[int]:
-            if len(nodes) <= 2:
-                return sorted(nodes, key=rank_in_blind.get)
-            a, b = nx.algorithms.community.kernighan_lin_bisection(g.subgraph(nodes), weight="beta", seed=0)
-            # the side with more GPUs (then the blind order's first machine) leads
-            a, b = sorted(
-                (sorted(a), sorted(b)), key=lambda side: (-self.gpus_on(side), min(map(rank_in_blind.get, side)))
-            )
-            return bisect(a) + bisect(b)
-
-        kl = tuple(bisect(list(g.nodes)))
-        communities = nx.community.louvain_communities(g, weight="beta", seed=0)
-        communities = sorted(communities, key=lambda c: (-self.gpus_on(c), min(map(rank_in_blind.get, c))))
-        louvain = tuple(m for c in communities for m in sorted(c, key=rank_in_blind.get))
-        orders = [blind]
-        for order in (kl, kl[::-1], louvain, louvain[::-1]):
-            if order not in orders:
-                orders.append(order)
-        return orders
-
-    def gpus_on(self, machines) -> int:
-        return sum(self.cluster.machines[m].gpus for m in machines)
-
-    def per_type(self, counts: tuple[int, ...]) -> dict[str, int]:
-        return {t: sum(k for m, k in zip(self.cluster.machines, counts) if m.gpu_type == t) for t in self.types}
-
-    def arrange(self, per_type: dict[str, int], order: tuple[int, ...] | None = None) -> tuple[int, ...]:
-        """Per-type trainer counts -> per-machine counts, filling machines along `order` (default: largest first),
-        which keeps TP/DP groups inside machines and leaves whole machines to rollout."""
-        counts = [0] * len(self.cluster.machines)
-        for t, n in per_type.items():
-            for i in order or self.blind_order():
-                if self.cluster.machines[i].gpu_type == t:
-                    counts[i] = min(n, self.cluster.machines[i].gpus)
-                    n -= counts[i]
-        return tuple(counts)
-
-    def best_arrangement(self, per_type: dict[str, int]) -> Evaluation:
-        """The per-type split placed along each machine order; the cost model's fastest wins (ties: the first)."""
-        best = None
-        for order in self._orders:
-            ev = self.evaluate(self.canonical(self.arrange(per_type, order)))
-            if best is None or ev.step_s < best.step_s * (1 - 1e-9):
-                best = ev
-        return best
-
-    def partition_candidates(self, g: nx.Graph) -> list[tuple[float, float, dict[str, int]]]:
-        """(compute share of D_T, Eq. 3 objective, per-type trainer counts) for every candidate split."""
-        n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
-        c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
-        m_total = sum(d["gpus"] * d["m"] for _, d in g.nodes(data=True))
-        beta_total = sum(d["gpus"] * (d["gpus"] - 1) / 2 * d["beta_intra"] for _, d in g.nodes(data=True)) + sum(
-            g.nodes[a]["gpus"] * g.nodes[b]["gpus"] * e["beta"] for a, b, e in g.edges(data=True)
-        )
-        # per-GPU grid; whole machines on huge clusters. A split needs some DP*TP group size dividing every
-        # type's trainer count with at most `layers` stages, i.e. total / gcd <= layers.
-        steps = {
-            t: 1 if n <= 96 else max(m.gpus for m in self.cluster.machines if m.gpu_type == t)
-            for t, n in n_type.items()
-        }
-        grids = [sorted(set(range(0, n_type[t] + 1, steps[t])) | {n_type[t]}) for t in self.types]
-        out = []
-        for combo in itertools.product(*grids):
-            nonzero = [x for x in combo if x]
-            if nonzero and sum(nonzero) // math.gcd(*nonzero) > self.model.layers:
-                continue
-            per_type = dict(zip(self.types, combo))
-            best = None
-            for order in self._orders:  # Eq. 3 over where the trainers sit, too: the best-connected placement
-                k = self.arrange(per_type, order)
-                share = sum(k[i] * g.nodes[i]["c"] for i in g.nodes) / c_total
-                beta_t = sum(k[i] * (k[i] - 1) / 2 * g.nodes[i]["beta_intra"] for i in g.nodes) + sum(
-                    k[a] * k[b] * e["beta"] for a, b, e in g.edges(data=True) if k[a] and k[b]
-                )
-                m_i = sum((g.nodes[i]["gpus"] - k[i]) * g.nodes[i]["m"] for i in g.nodes)
-                objective = beta_t / max(beta_total, 1e-12) + m_i / m_total
-                if best is None or objective > best[1] + 1e-12:
-                    best = (share, objective, k)
-            out.append(best)
-        return out
-
-    def graph_partition(self, cands: list, gamma: float, band: float) -> tuple[int, ...]:
-        """Eq. 3: max beta-share(D_T) + m-share(D_I) s.t. gamma - band <= c-share(D_T) <= gamma + band."""
-        inside = [c for c in cands if abs(c[0] - gamma) <= band]
-        if not inside:
-            nearest = min(abs(c[0] - gamma) for c in cands)
-            inside = [c for c in cands if abs(c[0] - gamma) <= nearest + 1e-12]
-        return max(inside, key=lambda c: (c[1], -abs(c[0] - gamma)))[2]
-
-    def solve(self, K: int = 6, max_iterations: int = 60) -> Evaluation:
-        """Algorithm 1: bisect gamma on C_T vs C_I with Eq. 3 partitions, then alternate local moves."""
-        t0 = time.perf_counter()
-        if self.cluster.n_gpus < 2:
-            raise PlanError(
-                f"role left empty: {self.cluster.n_gpus} GPU cannot hold both a trainer and a rollout replica"
-            )
-        if self.forced_layout:
-            return self._solve_forced(t0)
-        g = self.graph()
-        cands = self.partition_candidates(g)
-        c_total = sum(d["gpus"] * d["c"] for _, d in g.nodes(data=True))
-        band = 0.5 * min(d["c"] for _, d in g.nodes(data=True)) / c_total
-        best: Evaluation | None = None
-        q, r, gamma = 0.0, 1.0, 1.0
-        stable = 0
-        seen_gamma = set()
-        for it in range(max_iterations):
-            self.stats.iterations = it + 1
-            counts = self.graph_partition(cands, gamma, band)
-            ev = self.evaluate(self.canonical(counts))
-            per_type = self.per_type(counts)
-            if len(self._orders) > 1:  # the same split placed along the other orders, if the cost model prefers one
-                ev = min((ev, self.best_arrangement(per_type)), key=lambda e: e.step_s)
-            improved = best is None or ev.step_s < best.step_s * (1 - 1e-9)
-            best = ev if improved else best
-            self.stats.history.append(best.step_s)
-            stable = 0 if improved else stable + 1
-            if ev.c_t < ev.c_i:
-                r = gamma  # training is faster: give it less compute
-            else:
-                q = gamma
-            gamma = (q + r) / 2
-            key = round(gamma, 6)
-            if stable >= K or key in seen_gamma or r - q < band / 4:
-                break
-            seen_gamma.add(key)
-        # alternate phases from the best few partitions the bisection visited (multi-start local search)
-        starts = sorted((e for e in self._eval_cache.values() if math.isfinite(e.step_s)), key=lambda e: e.step_s)[:3]
-        for ev in starts:
-            cand = self._refine(ev, g)
-            best = cand if cand.step_s < best.step_s else best
-        if best is None or not math.isfinite(best.step_s):
-            self._explain_infeasible()
-        self.stats.seconds = time.perf_counter() - t0
-        return best
-
-    def _solve_forced(self, t0: float) -> Evaluation:
-        """--train-layout dp,tp,pp fixes |D_T|: try every per-type split of that many trainer GPUs."""
-        need = math.prod(self.forced_layout)
-        n_type = [sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types]
-        best = None
-        for combo in itertools.product(*[range(n + 1) for n in n_type]):
-            if sum(combo) == need:
-                ev = self.best_arrangement(dict(zip(self.types, combo)))
-                best = ev if best is None or ev.step_s < best.step_s else best
-        self.stats.iterations, self.stats.seconds = self.stats.evaluations, time.perf_counter() - t0
-        if best is None or not math.isfinite(best.step_s):
-            self._explain_infeasible()
-        return best
-
-    def canonical(self, counts: tuple[int, ...]) -> tuple[int, ...]:
-        """Machines of one kind (type, size) are interchangeable unless links are given per machine pair:
-        sort trainer counts inside each kind so symmetric partitions share one cache entry."""
-        if self.cluster.machine_gbps:
-            return counts
-        out = list(counts)
-        for kind in machine_kinds(self.cluster):
-            for i, v in zip(kind, sorted((counts[i] for i in kind), reverse=True)):
-                out[i] = v
-        return tuple(out)
-
-    def _refine(self, best: Evaluation, g: nx.Graph) -> Evaluation:
-        """Alternate phases with local moves around the incumbent, re-running Phase 1 on each neighbour:
-        (a) per-type trainer counts, each type moved by 0, +-1, +-2, +-3, +-4 or +-8 GPUs at once;
-        (b) on clusters with <= 24 machines, one GPU on one machine (or from one machine to another).
-        Stops when no move improves the step time."""
-        n_type = {t: sum(m.gpus for m in self.cluster.machines if m.gpu_type == t) for t in self.types}
-        steps = [sorted({0} | {s * x for x in (1, 2, 3, 4, 8) if x <= n_type[t] for s in (-1, 1)}) for t in self.types]
-        dirs = [d for d in itertools.product(*steps) if any(d)]
-        current = self.per_type(best.train_counts)
-        for _ in range(100):
-            improved = False
-            for d in dirs:
-                cand = {t: current[t] + x for t, x in zip(self.types, d)}
-                if any(v < 0 or v > n_type[t] for t, v in cand.items()):
-                    continue
-                ev = self.best_arrangement(cand)
-                if ev.step_s < best.step_s * (1 - 1e-9):
-                    best, current, improved = ev, cand, True
-            self.stats.history.append(best.step_s)
-            if not improved:
-                break
-        if len(self.cluster.machines) > 24:
-            return best
-        sizes = [m.gpus for m in self.cluster.machines]
-        for _ in range(100):
-            improved = False
-            base = list(best.train_counts)
-            moves = [(a, b) for a in range(len(sizes)) for b in range(-1, len(sizes)) if a != b]
-            for a, b in moves + [(-1, b) for b in range(len(sizes))]:
-                cand = list(base)
-                if a >= 0:
-                    cand[a] -= 1
-                if b >= 0:
-                    cand[b] += 1
-                if any(v < 0 or v > n for v, n in zip(cand, sizes)):
-                    continue
-                ev = self.evaluate(self.canonical(tuple(cand)))
-                if ev.step_s < best.step_s * (1 - 1e-9):
-                    best, improved = ev, True
-            self.stats.history.append(best.step_s)
-            if not improved:
-                break
-        return best
-
-    def _layouts_on(self, n_type: dict[str, int], forced: tuple[int, int, int] | None) -> list:
-        """(stage types, dp, tp, pp) the trainer could take on these GPU counts (one type per stage, every order)."""
-        out = []
-        total = sum(n_type.values())
-        g = math.gcd(*n_type.values()) if n_type else 0
-        for group in (d for d in range(1, g + 1) if g % d == 0):
-            pp = total // group
-            for tp in (t for t in range(1, group + 1) if group % t == 0 and self.tp_ok(t)):
-                if forced and (group // tp, tp, pp) != forced:
-                    continue
-                for order in itertools.permutations(sorted(n_type)):
-                    types = [t for t in order for _ in range(n_type[t] // group)]
-                    out.append((types, group // tp, tp, pp))
-        return out
-
-    def _explain_infeasible(self) -> None:
-        m = self.model
-        n_all = {t: sum(x.gpus for x in self.cluster.machines if x.gpu_type == t) for t in self.types}
-        if self.forced_layout:
-            need = math.prod(self.forced_layout)
-            layouts = [
-                layout
-                for combo in itertools.product(*[range(n + 1) for n in n_all.values()])
-                if sum(combo) == need and sum(combo) < self.cluster.n_gpus
-                for layout in self._layouts_on({t: c for t, c in zip(n_all, combo) if c}, self.forced_layout)
-            ]
-            error = self.memory_error(f"--train-layout {','.join(map(str, self.forced_layout))}", layouts)
-            if error:
-                raise PlanError(error)
-            raise PlanError(
-                f"--train-layout {','.join(map(str, self.forced_layout))} leaves no valid plan (needs "
-                f"dp*tp*pp trainer GPUs of one type per stage, tp dividing {m.heads} heads, memory, and "
-                f">= 1 rollout GPU among {self.cluster.n_gpus})"
-            )
-        fits_train = fits_roll = False
-        for t in self.types:
-            if self.replica_configs(t):
-                fits_roll = True
-            ev = self.evaluate(self.arrange({t: n_all[t]}))
-            fits_train |= ev.train is not None
-        if not fits_roll:
-            raise PlanError(
-                f"memory: model {m.name} ({m.params / 1e9:.2f}B params) fits no rollout replica "
-                f"({'TP ' + str(self.rollout_tp) if self.rollout_tp else 'TP'} inside one machine, PP 1) "
-                f"on GPU types {self.types}: {self.rollout_memory_error()}"
-            )
-        if not fits_train:
-            spare = 0 if len(self.types) > 1 else 1  # one GPU is left to rollout
-            layouts = [
-                x for t in self.types for c in range(1, n_all[t] + 1 - spare) for x in self._layouts_on({t: c}, None)
-            ]
-            error = self.memory_error(f"model {m.name} on this cluster", layouts)
-            raise PlanError(
-                error or f"memory: model {m.name} does not fit any DP x TP x PP training layout on this cluster"
-            )
-        forced = (
-            f" (--rollout-tp {self.rollout_tp}: every rollout replica takes {self.rollout_tp} GPUs of one machine)"
-            if self.rollout_tp
-            else ""
-        )
-        raise PlanError(
-            f"role left empty: no split gives both a feasible trainer set and a feasible rollout set{forced}"
-        )
-
-    # ------------------------------------------------------------------ --exhaustive
-    def exhaustive(self) -> Evaluation:
-        """Brute force over the same space: every per-machine trainer count, every replica multiset."""
-        t0 = time.perf_counter()
-        best = None
-        # symmetric partitions (same counts permuted among interchangeable machines) are evaluated once
-        for counts in sorted(
-            {self.canonical(c) for c in itertools.product(*[range(m.gpus + 1) for m in self.cluster.machines])}
-        ):
-            ev = self.evaluate(counts, exhaustive=True)
-            if best is None or ev.step_s < best.step_s:
-                best = ev
-            self.stats.iterations += 1
-        if best is None or not math.isfinite(best.step_s):
-            self._explain_infeasible()
-        self.stats.seconds = time.perf_counter() - t0
-        self.stats.status = "exhaustive"
-        return best
-
-
-@cache
-def _tp_patterns(r: int, tps: tuple[int, ...]) -> list[tuple[int, ...]]:
-    """Every multiset of TP group sizes (from tps) that fits in r GPUs of one machine."""
-    out = []
-
-    def rec(left: int, i: int, acc: tuple[int, ...]) -> None:
-        out.append(acc)
-        for j in range(i, len(tps)):
-            if tps[j] <= left:
-                rec(left - tps[j], j, acc + (tps[j],))
-
-    rec(r, 0, ())
-    return out
-
-
-@cache
-def _pack(groups: tuple[int, ...], bins: tuple[int, ...]) -> bool:
-    """Can these TP groups (sizes, descending) be placed into machines with `bins` free GPUs?"""
-    if not groups:
-        return True
-    g, rest = groups[0], groups[1:]
-    tried = set()
-    for i, b in enumerate(bins):
-        if b >= g and b not in tried:
-            tried.add(b)
-            nb = tuple(sorted(bins[:i] + (b - g,) + bins[i + 1 :], reverse=True))
-            if _pack(rest, nb):
-                return True
-    return False
-
+from planner import calibration, cost_model, profile_fit, specs
+from planner.calibration import calibrate
+from planner.search import Evaluation, Planner, check_rollout_tp, machine_kinds
+from planner.specs import Cluster, Efficiency, ModelSpec, Workload
 
 # ----------------------------------------------------------------------------- objectives over sub-clusters
-
-
-def machine_kinds(cluster: Cluster) -> list[list[int]]:
-    kinds: dict[tuple[str, int], list[int]] = {}
-    for m in cluster.machines:
-        kinds.setdefault((m.gpu_type, m.gpus), []).append(m.index)
-    return list(kinds.values())
 
 
 def sub_clusters(cluster: Cluster) -> list[tuple[float, Cluster]]:
@@ -1221,14 +210,13 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
         "train_s": ev.train_s,
         "sync_s": ev.sync_s,
         "sync_send_s": ev.train_sync_s,
-        "sync_bytes": cm.sync_bytes_sent(p.sync_buckets(tr), len(p.rollout_machines(ev.rollout))),
+        "sync_bytes": sync_layout.sync_bytes_sent(p.sync_buckets(tr), len(p.rollout_machines(ev.rollout))),
         "reward_s": p.wl.reward_s,
         "step_s": ev.step_s,
         "tokens_per_s": ev.tokens_per_s,
-        # CPU clusters: machine -> devices busy at once, the core shares were priced with (Cluster.speed)
-        **({"busy_devices": {str(m): dict(b) for m, b in ev.busy_devices.items()}} if ev.busy_devices else {}),
-        # CPU emulation: type -> its replicas' decode contention beside this split's trainers (Cluster.decode_speed)
-        **({"decode_contention": dict(ev.decode_contention)} if ev.decode_contention else {}),
+        # a CPU host standing in for the cluster: what its pricing settled at (cpu_bench/host.HostSpeeds.settle:
+        # machine -> role -> devices busy at once; GPU type -> its replicas' decode contention)
+        **json.loads(json.dumps(ev.host_pricing)),
         "dollars_per_hour": dollars,
         "tokens_per_dollar": ev.tokens_per_s * 3600 / dollars if dollars > 0 else None,
     }
@@ -1241,7 +229,7 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
             "tp": tr.tp,
             "pp": tr.pp,
             "stages": stages_json,
-            "tokens_per_s": cm.train_tokens_per_s(p.wl, ev.train_s),
+            "tokens_per_s": cost_model.train_tokens_per_s(p.wl, ev.train_s),
         },
         "predicted": pred,
         "solver": {
@@ -1332,85 +320,6 @@ def plot_plan(plan_json: dict, path: str) -> None:
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- calibration
-
-
-def calibrate(points: list[tuple[Planner, tuple[int, ...], dict]], base: Efficiency | None = None) -> Efficiency:
-    """Fit per-type mfu_train / hbm_eff / mfu_infer and the sync link_eff / latency to measured timings.
-    points: (planner, per-machine trainer counts, {"rollout_s", "train_s", "sync_s"} measured, any subset); a
-    measured sync_s is the train side's (a run's weight_sync_s: until its sends are done), fitted to train_sync_s.
-    Phase 1 is re-run on the fixed partition for every trial so layouts follow the constants."""
-    eff = Efficiency.from_dict((base or Efficiency()).to_dict())
-    types = sorted({t for p, _, _ in points for t in p.types})
-    for t in types:
-        eff.per_type.setdefault(t, cm.TypeEfficiency(**vars(eff.of(t))))
-
-    def predict(key: str) -> list[tuple[float, float]]:
-        out = []
-        for p, counts, meas in points:
-            if key in meas:
-                q = type(p)(p.cluster, p.model, p.wl, eff, p.max_seconds)
-                out.append((getattr(q.evaluate(counts), key), meas[key]))
-        return out
-
-    def loss(key: str) -> float:
-        return sum(math.log(a / b) ** 2 if math.isfinite(a) else 1e9 for a, b in predict(key))
-
-    def fit(key: str, fields: list[str], rounds: int) -> None:
-        for _ in range(rounds):  # coordinate descent, golden section in log space
-            for f in fields:
-
-                def at(x: float, field: str = f) -> float:
-                    for t in types:
-                        setattr(eff.per_type[t], field, math.exp(x))
-                    return loss(key)
-
-                lo, hi, phi = math.log(0.01), math.log(1.0), (math.sqrt(5) - 1) / 2
-                m1, m2 = hi - phi * (hi - lo), lo + phi * (hi - lo)
-                f1, f2 = at(m1), at(m2)
-                for _ in range(24):
-                    if f1 <= f2:
-                        hi, m2, f2 = m2, m1, f1
-                        m1 = hi - phi * (hi - lo)
-                        f1 = at(m1)
-                    else:
-                        lo, m1, f1 = m1, m2, f2
-                        m2 = lo + phi * (hi - lo)
-                        f2 = at(m2)
-                at((lo + hi) / 2)
-
-    fit("train_s", ["mfu_train"], 1)
-    fit("rollout_s", ["hbm_eff"], 1)
-    # mfu_infer is only fitted if the data can see it: decode that is memory-bound everywhere leaves it at its prior
-    prior, base_loss = eff.per_type[types[0]].mfu_infer, loss("rollout_s")
-    for t in types:
-        eff.per_type[t].mfu_infer = prior / 2
-    sensitive = abs(loss("rollout_s") - base_loss) > 0.01 * max(base_loss, 1e-3)
-    for t in types:
-        eff.per_type[t].mfu_infer = prior
-    if sensitive:
-        fit("rollout_s", ["mfu_infer", "hbm_eff"], 2)
-    sync = [
-        (p, type(p)(p.cluster, p.model, p.wl, eff, p.max_seconds).evaluate(c).train_sync_s, m["sync_s"])
-        for p, c, m in points
-        if "sync_s" in m
-    ]
-    if sync:
-        # predicted sync = latency + GB / (link_eff * bw): recover bw per point, then least squares on (latency, 1/eff)
-        xs = [(s - eff.sync_latency_s) * eff.link_eff for _, s, _ in sync]  # = bytes / link bandwidth
-        ys = [meas for _, _, meas in sync]
-        if len(sync) >= 2 and max(xs) > min(xs):
-            mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
-            slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
-            eff.link_eff, eff.sync_latency_s = 1 / max(slope, 1e-6), max(0.0, my - slope * mx)
-        else:  # one point: keep latency <= half the measurement
-            eff.sync_latency_s = min(eff.sync_latency_s, 0.5 * ys[0])
-            eff.link_eff = xs[0] / (ys[0] - eff.sync_latency_s)
-        eff.link_eff = min(max(eff.link_eff, 1e-3), 1.0)  # a fraction of nominal bandwidth
-    eff.per_type["*"] = cm.TypeEfficiency(**vars(eff.per_type[types[0]]))
-    return eff
-
-
 # ----------------------------------------------------------------------------- CLI
 
 
@@ -1422,7 +331,7 @@ def workload_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gen-mean", type=float, default=d.gen_samples[0], help="mean generation length")
     ap.add_argument("--gen-quantiles", default="", help="e.g. 0.5:700,0.9:3000,0.99:8000")
     ap.add_argument("--eta", type=int, default=d.eta, help="staleness bound")
-    ap.add_argument("--precision", default=d.precision, choices=sorted(cm.PRECISION_BYTES))
+    ap.add_argument("--precision", default=d.precision, choices=sorted(specs.PRECISION_BYTES))
     ap.add_argument("--reward-s", type=float, default=d.reward_s, help="profiled reward seconds per step")
     ap.add_argument("--max-batch", type=int, default=d.max_batch, help="max concurrent sequences per replica")
     ap.add_argument("--microbatch-tokens", type=int, default=d.microbatch_tokens)
@@ -1487,7 +396,7 @@ def main(argv: list[str] | None = None) -> int:
         if argv[:1] == ["profile"]:
             return profile_main(argv[1:])
         return plan_main(argv)
-    except (PlanError, cm.SpecError) as e:
+    except (PlanError, specs.SpecError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 
@@ -1516,15 +425,15 @@ def plan_main(argv: list[str]) -> int:
     ap.add_argument("--plot", nargs="?", const="", default=None, help="PNG path (default: next to --out)")
     ap.add_argument("--quiet", action="store_true")
     a = ap.parse_args(argv)
-    cluster = cm.load_cluster(a.cluster, a.nproc)
+    cluster = specs.load_cluster(a.cluster, a.nproc)
     if a.exhaustive and cluster.n_gpus > 16:
         raise PlanError(f"--exhaustive is for small clusters (<= 16 GPUs), this one has {cluster.n_gpus}")
     eff = Efficiency.load(a.efficiency)
     for path in a.profile:  # a profile sets its GPU type's efficiencies and decode overhead
-        eff = cm.apply_profile(eff, cluster, cm.load_profile(path), path)
+        eff = profile_fit.apply_profile(eff, cluster, profile_fit.load_profile(path), path)
     result = plan(
         cluster,
-        cm.load_model_spec(a.model),
+        specs.load_model_spec(a.model),
         workload_from(a),
         eff,
         budget=a.budget,
@@ -1560,11 +469,11 @@ def calibrate_main(argv: list[str]) -> int:
     import yaml
 
     if a.profile_cpu:
-        prof = cm.profile_cpu()
+        prof = calibration.profile_cpu()
         print(f"cpu profile: {prof['tflops'] * 1e3:.1f} GFLOP/s, {prof['hbm_tbps'] * 1e3:.1f} GB/s")
         eff = Efficiency(
             per_type={
-                "cpu": cm.TypeEfficiency(
+                "cpu": specs.TypeEfficiency(
                     mfu_train=min(1.0, prof["tflops"] / 0.02 * 0.5),
                     mfu_infer=min(1.0, prof["tflops"] / 0.02 * 0.5),
                     hbm_eff=min(1.0, prof["hbm_tbps"] / 0.005),
@@ -1623,16 +532,16 @@ def profile_main(argv: list[str]) -> int:
         "--refit",
         default=None,
         metavar="PROFILE",
-        help="measure nothing: fit PROFILE's stored points again with this version's fit (cost_model.finish_profile) "
+        help="measure nothing: fit PROFILE's stored points again with this version's fit (profile_fit.finish_profile) "
         "and write the result to --out",
     )
     a = ap.parse_args(argv)
     if a.refit:
         return refit_profile(a.refit, a.out)
-    cluster = cm.load_cluster(a.cluster)
+    cluster = specs.load_cluster(a.cluster)
     gpu_type = a.gpu_type or (next(iter(cluster.gpu_types)) if len(cluster.gpu_types) == 1 else None)
     if gpu_type not in cluster.gpu_types:
-        raise cm.SpecError(
+        raise specs.SpecError(
             f"--gpu-type {a.gpu_type!r}: give one of cluster {cluster.name}'s GPU types {sorted(cluster.gpu_types)}"
         )
     if a.seconds <= 0:
@@ -1641,12 +550,12 @@ def profile_main(argv: list[str]) -> int:
         raise PlanError(f"--co-load must be >= 0 peer processes, got {a.co_load}")
     if not 0 <= a.co_load_trainers <= a.co_load:
         raise PlanError(f"--co-load-trainers must be 0 to --co-load ({a.co_load}), got {a.co_load_trainers}")
-    out = a.out or str(cm.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
+    out = a.out or str(specs.ROOT / "exp" / "profiles" / f"{gpu_type}.yaml")
     from cpu_bench.emulation import Throttle
-    from device_profile import profile_device
+    from planner.device_profile import profile_device
 
     # an emulated type is profiled as its ranks run: every Generator step padded by its throttle
-    emulation = cluster.gpu(gpu_type).emulate
+    emulation = cluster.speeds.emulated.get(gpu_type)
     throttle = None if emulation is None else Throttle(emulation, gpu_type)
     if throttle is not None:
         print(f"profiling emulated type {gpu_type} under its throttle ({asdict(emulation)})")
@@ -1654,8 +563,8 @@ def profile_main(argv: list[str]) -> int:
     # beside its rollout ranks (TypeEfficiency.decode_beside); its own type's first
     beside = None
     if throttle is not None and a.co_load_trainers:
-        emulated = [gpu_type] + sorted(t for t, g in cluster.gpu_types.items() if g.emulate and t != gpu_type)
-        beside = {t: Throttle(cluster.gpu(t).emulate, t) for t in emulated}
+        emulated = [gpu_type] + sorted(t for t in cluster.speeds.emulated if t != gpu_type)
+        beside = {t: Throttle(cluster.speeds.emulated[t], t) for t in emulated}
     prof = profile_device(
         cluster.gpu(gpu_type),
         a.seconds,
@@ -1679,7 +588,7 @@ def profile_main(argv: list[str]) -> int:
 def write_profile(doc: dict, out: str) -> int:
     import yaml
 
-    cm.profile_from_dict(doc, out)  # what the planner will read back
+    profile_fit.profile_from_dict(doc, out)  # what the planner will read back
     os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
     with open(out, "w") as f:
         yaml.safe_dump(json.loads(json.dumps(doc)), f, sort_keys=False)
@@ -1693,17 +602,19 @@ def refit_profile(path: str, out: str | None) -> int:
     import yaml
 
     if not out:
-        raise cm.SpecError("--refit needs --out (the refitted profile; the measured one is kept as it is)")
-    cm.load_profile(path)  # a readable profile, or one clear error
+        raise specs.SpecError("--refit needs --out (the refitted profile; the measured one is kept as it is)")
+    profile_fit.load_profile(path)  # a readable profile, or one clear error
     with open(path) as f:
         doc = yaml.safe_load(f)
     if not isinstance(doc.get("points"), dict) or not doc["points"].get("decode"):
-        raise cm.SpecError(f"{path}: no stored points to refit (schedule.py profile writes them under 'points')")
+        raise specs.SpecError(f"{path}: no stored points to refit (schedule.py profile writes them under 'points')")
     nominal = doc["nominal"]
-    gpu = cm.GPUType(
+    gpu = specs.GPUType(
         str(nominal.get("gpu_type", doc["gpu_type"])), 0, float(nominal["tflops"]), float(nominal["hbm_tbps"]), 0, 0
     )
-    fitted = cm.finish_profile({"device": doc["device"], **doc["points"]}, gpu, elapsed=doc.get("seconds", 0.0))
+    fitted = profile_fit.finish_profile(
+        {"device": doc["device"], **doc["points"]}, gpu, elapsed=doc.get("seconds", 0.0)
+    )
     for key in ("efficiency", "sync", "measured", "fractions"):
         if key in fitted:
             doc[key] = fitted[key]
@@ -1714,10 +625,10 @@ def refit_profile(path: str, out: str | None) -> int:
 def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
     """Rebuild the Planner and per-machine trainer counts a plan JSON was made from (inputs are embedded)."""
     inp = pj["inputs"]
-    cluster = cm.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
+    cluster = specs.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
     p = Planner(
         cluster,
-        cm.model_from_config(inp["model"]),
+        specs.model_from_config(inp["model"]),
         Workload(**inp["workload"]),
         Efficiency.from_dict(inp["efficiency"]),
         rollout_tp=inp.get("rollout_tp"),

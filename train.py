@@ -38,7 +38,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-import cost_model as cm
 import cpu_bench
 from buffer import StalenessBuffer, Trajectory, group_advantages, overlong_penalty, zero_variance
 from checkpoint import (
@@ -53,6 +52,7 @@ from checkpoint import (
 from config import Config, load_config, to_dict
 from errors import HexrlError, SetupError
 from head import Admission, DataOrder, EvalBook, NonFiniteGuard, RolloutPool, StepMetrics, WeightAcks
+from parallel import sync_layout
 from parallel.channel import Aborted, Channel, PeerTimeout
 from parallel.rankmap import (
     PlanError,
@@ -389,10 +389,12 @@ class TrainHead:
                 "verify": self.cfg.dist.verify_weights,
                 "handover": weight_handover(self.cfg),
             }
-            # the planner's number for this schedule: cost_model's buckets of the model spec, not the trainer's own
-            spec = cm.model_from_config(self.trainer.hf_config.to_dict())
+            # the planner's number for this schedule: the buckets of the model's config, not the trainer's own
+            spec = sync_layout.hf_shape(self.trainer.hf_config.to_dict())
             stages = [tuple(x) for x in self.groups.stage_layers]
-            self.planned_buckets = cm.sync_buckets(cm.hf_param_table(spec), stages, itemsize, self.bucket_bytes)
+            self.planned_buckets = sync_layout.sync_buckets(
+                sync_layout.hf_param_table(spec), stages, itemsize, self.bucket_bytes
+            )
         return self._sync_layout
 
     def sync_weights(self, changed: bool = True, targets: list[int] | None = None) -> float:
@@ -416,7 +418,7 @@ class TrainHead:
                 extra = weights_message(leader, paths, senders, self.groups)
                 self.channel.send(leader, "weights", version=version, **layout, **extra)
             if targets is None:
-                self.sync_predicted_bytes = cm.sync_bytes_sent(self.planned_buckets, len(senders))
+                self.sync_predicted_bytes = sync_layout.sync_bytes_sent(self.planned_buckets, len(senders))
             args = {"senders": senders, "dtype": str(self.sync_dtype), "bucket_bytes": self.bucket_bytes}
             args["timeout_s"], args["verify"] = self.cfg.dist.rollout_timeout_s, self.cfg.dist.verify_weights
             args["handover"] = weight_handover(self.cfg)

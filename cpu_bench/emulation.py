@@ -14,8 +14,8 @@ at least its fraction of a core. A wait on another rank inside a piece (a pipeli
 the work before it is padded first (Throttle.waiting), so each micro-batch of a slow stage is slow when it runs.
 It only ever slows a rank down, is off unless the plan's cluster declares it, and every metric line of an emulated
 run says so (`emulated`). The planner prices the type at the fractions of its YAML numbers
-(cost_model.Cluster.speed), so keep those this machine's: a device profile of this machine (`schedule.py profile`)
-applies to every emulated type of a cluster (cost_model.apply_profile).
+(cpu_bench/host.HostSpeeds.speed), so keep those this machine's: a device profile of this machine (`schedule.py profile`)
+applies to every emulated type of a cluster (profile_fit.apply_profile).
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ class Emulation:
 
 # Compute and decode pieces are CPU work: what they cost is the CPU time the rank's thread spends on them, not the
 # wall time, which stretches when other ranks' pieces share the core. Padding to cpu / fraction absorbs that
-# contention (as long as the rank gets at least `fraction` of a core meanwhile: Cluster.speed's demand rule), so
+# contention (as long as the rank gets at least `fraction` of a core meanwhile: HostSpeeds.speed's demand rule), so
 # ranks whose bursts coincide -- every rank of a DP group computes at once -- still run at exactly their fraction.
 # A link piece is a transfer, mostly waiting on the other end: it is padded by its wall time.
 WALL_KINDS = ("link",)
@@ -125,7 +125,7 @@ class Throttle:
         return extra
 
     def generator_step(self, gen) -> list:
-        """One rollout.Generator step, its prefill part padded by the compute fraction and the rest (decode,
+        """One generator.Generator step, its prefill part padded by the compute fraction and the rest (decode,
         memory-bound) by the bandwidth fraction; the step's CPU time is split as its wall time is."""
         if self.emulation is None:
             return gen.step()

@@ -1,4 +1,4 @@
-"""Wall time of cost_model.profile_cpu against its budget (acceptance: < 2 s for a 1 s budget).
+"""Wall time of calibration.profile_cpu against its budget (acceptance: < 2 s for a 1 s budget).
 
     python exp/bench_cost_model.py          # one line per budget: wall time, overrun, measured TFLOP/s and TB/s
 
@@ -15,7 +15,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import cost_model as cm  # noqa: E402
+from planner import calibration  # noqa: E402
 
 LIMITS = {1.0: 2.0}  # budget s -> wall-time limit s
 BUDGETS = (0.5, 1.0, 1.5)  # 1.5 s is profile_cpu's default, which schedule.py uses
@@ -25,7 +25,7 @@ def main() -> None:
     print(f"{'budget s':>8} {'wall s':>7} {'limit':>6} {'TFLOP/s':>8} {'TB/s':>6}")
     for budget in BUDGETS:
         t0 = time.perf_counter()
-        prof = cm.profile_cpu(budget)
+        prof = calibration.profile_cpu(budget)
         secs = time.perf_counter() - t0
         limit = f"{LIMITS[budget]:.0f} s" if budget in LIMITS else ""
         ok = "" if budget not in LIMITS else (" ok" if secs < LIMITS[budget] else " SLOW")

@@ -27,10 +27,10 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
-import device_profile as dp  # noqa: E402
 from cpu_bench.emulation import Emulation, Throttle  # noqa: E402
+from planner import device_profile  # noqa: E402
 
-SHAPES = dp.PROFILE_SHAPES["cpu"]
+SHAPES = device_profile.PROFILE_SHAPES["cpu"]
 DIMS = SHAPES["models"][SHAPES["co_load_model"]]  # the tiny model, as the profile's co-load peers run it
 TRAIN = SHAPES["co_load_train"]  # the CPU runs' train step
 
@@ -59,24 +59,24 @@ def measure(decoder: Throttle, peers: list, types: dict, args, tmp: str) -> dict
     for i, (kind, type_name) in enumerate(peers):
         throttle = Throttle(types[type_name], type_name)
         if kind == "T":
-            target, fn_args = dp._co_load_trainer, (DIMS, (TRAIN, SHAPES["train_mb"]), throttle, i)
+            target, fn_args = device_profile._co_load_trainer, (DIMS, (TRAIN, SHAPES["train_mb"]), throttle, i)
             procs.append(ctx.Process(target=target, args=(*fn_args, ready, stop, done), daemon=True))
         elif kind == "D":
             shape = (args.batch, args.prompt, args.response)
-            procs.append(ctx.Process(target=dp._co_load_peer, args=(DIMS, shape, throttle, i, ready, stop, done),
+            procs.append(ctx.Process(target=device_profile._co_load_peer, args=(DIMS, shape, throttle, i, ready, stop, done),
                                      daemon=True))  # fmt: skip
         else:  # a DP pair in lockstep, as the profile's co-load trainers run
             init = f"file://{tmp}/init-{i}-{time.time_ns()}"
-            procs += [ctx.Process(target=dp._co_load_trainer, args=(DIMS, (TRAIN, SHAPES["train_mb"]), throttle,
+            procs += [ctx.Process(target=device_profile._co_load_trainer, args=(DIMS, (TRAIN, SHAPES["train_mb"]), throttle,
                                                                      100 * i + r, ready, stop, done, (init, r, 2)),
                                   daemon=True) for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
     try:
         for _ in procs:
-            ready.get(timeout=dp.CO_LOAD_START_S)
+            ready.get(timeout=device_profile.CO_LOAD_START_S)
         torch.set_num_threads(1)
-        hf, spec = dp._random_llama(*DIMS)
+        hf, spec = device_profile._random_llama(*DIMS)
         gen = Generator(hf, max_batch_size=args.batch, max_seq_len=args.prompt + args.response + 8)
         rng = torch.Generator().manual_seed(1)
         next_id = tokens = steps = 0

@@ -26,31 +26,30 @@ sys.path.insert(0, str(ROOT / "tests"))
 from reproduce_paper import workload  # noqa: E402
 from test_schedule import SMALL_MODEL, WL, random_cluster  # noqa: E402
 
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
+from planner import search, specs  # noqa: E402
 
 LIMITS = {24: 1.0, 56: 6.0, 512: 60.0}
 EXHAUSTIVE_SEEDS, EXHAUSTIVE_LIMIT = 50, 90.0
 PAPER = {24: "14.9 s", 32: "23.1 s", 40: "46.7 s", 56: "2.0 min"}
 
 
-def big_cluster(h800_machines: int, h20_machines: int) -> cm.Cluster:
-    base = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
-    machines = [cm.Machine(i, "H800", 8) for i in range(h800_machines)]
-    machines += [cm.Machine(h800_machines + i, "H20", 8) for i in range(h20_machines)]
-    return cm.Cluster(f"hetero_{8 * len(machines)}", base.gpu_types, machines, base.inter_gbps)
+def big_cluster(h800_machines: int, h20_machines: int) -> specs.Cluster:
+    base = specs.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+    machines = [specs.Machine(i, "H800", 8) for i in range(h800_machines)]
+    machines += [specs.Machine(h800_machines + i, "H20", 8) for i in range(h20_machines)]
+    return specs.Cluster(f"hetero_{8 * len(machines)}", base.gpu_types, machines, base.inter_gbps)
 
 
 def main() -> None:
-    model = cm.load_model_spec("deepseek-r1-distill-qwen-7b")
+    model = specs.load_model_spec("deepseek-r1-distill-qwen-7b")
     wl = workload()
-    clusters = [cm.load_cluster(ROOT / f"exp/clusters/hetero_{n}.yaml") for n in (24, 32, 40, 56)]
+    clusters = [specs.load_cluster(ROOT / f"exp/clusters/hetero_{n}.yaml") for n in (24, 32, 40, 56)]
     clusters.append(big_cluster(16, 48))
     print(
         f"{'GPUs':>5} {'solve s':>8} {'limit':>6} {'paper':>8} {'iters':>6} {'evals':>6} {'MILPs':>6} {'tokens/s':>9}  plan"
     )
     for c in clusters:
-        p = sc.Planner(c, model, wl)
+        p = search.Planner(c, model, wl)
         t0 = time.perf_counter()
         ev = p.solve()
         secs = time.perf_counter() - t0
@@ -75,9 +74,9 @@ def bench_vs_exhaustive() -> None:
     for seed in range(EXHAUSTIVE_SEEDS):
         cluster = random_cluster(seed)
         t0 = time.perf_counter()
-        fast = sc.Planner(cluster, SMALL_MODEL, WL).solve()
+        fast = search.Planner(cluster, SMALL_MODEL, WL).solve()
         t1 = time.perf_counter()
-        brute = sc.Planner(cluster, SMALL_MODEL, WL).exhaustive()
+        brute = search.Planner(cluster, SMALL_MODEL, WL).exhaustive()
         t2 = time.perf_counter()
         solve_s += t1 - t0
         brute_s += t2 - t1

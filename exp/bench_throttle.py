@@ -3,7 +3,7 @@
     python exp/bench_throttle.py [--fractions 0.5,0.25,0.1] [--model exp/tiny-model]
 
 Two measurements, each side by side with its baseline in one run (this machine is shared and noisy):
-  decode   the rollout rank's decode loop (rollout.Generator, --batch sequences, through Throttle.generator_step) at
+  decode   the rollout rank's decode loop (generator.Generator, --batch sequences, through Throttle.generator_step) at
            each bandwidth fraction f: the wanted slowdown is 1 / f; printed is achieved / wanted, and the loop's CPU
            time against the unthrottled loop's (> 1: the same work cost more CPU after the throttle's sleeps)
   pause    one pass of the model's decoder weights through matmuls (the shape of a decode step), back to back vs.
@@ -12,7 +12,7 @@ Two measurements, each side by side with its baseline in one run (this machine i
            weights, the working set fell out of the caches meanwhile (other processes, other tenants of the host).
 The throttle pads a piece by its CPU time (cost / fraction), so what the work loses after a pause it also pays
 1 / f times over: the emulated device is slower than asked by achieved / wanted. The cost model prices the fractions
-as asked (cost_model.Cluster.speed), so this ratio is what an emulated run's step time exceeds its prediction by.
+as asked (cpu_bench/host.HostSpeeds.speed), so this ratio is what an emulated run's step time exceeds its prediction by.
 """
 
 from __future__ import annotations

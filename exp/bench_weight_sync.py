@@ -1,4 +1,4 @@
-"""Weight sync, the path before the plan-shaped sync vs the runtime's (parallel/weight_sync.py), side by side in one
+"""Weight sync, a naive full-state sync vs the runtime's plan-shaped one (parallel/weight_sync.py), side by side in one
 run, and the runtime's seconds against the planner's prediction.
 
     .venv/bin/python exp/bench_weight_sync.py [--replicas 2] [--dtype bfloat16] [--bucket-mb 64] [--repeats 5]
@@ -7,19 +7,19 @@ One train rank (the stage owner) and `--replicas` TP-1 rollout replicas on this 
 Generator over a random Llama-shaped model, in `--dtype` (the rollout model's compute dtype; the trainer keeps
 fp32 master weights). Per version, timed on the train rank from the start of the sync until every replica has
 applied it (a barrier):
-  before   what the runtime did before: gather the full fp32 state dict onto the head (a host copy), cut it into
+  naive    the straightforward sync: gather the full fp32 state dict onto the head (a host copy), cut it into
            fp32 buckets (another copy), checksum each through whole-bucket int64 intermediates, send every bucket
            to every rollout rank one rank after another; each rollout rank allocates fp32 receive buffers for the
            whole model, receives everything, then checksums and applies it.
-  runtime  cost_model.sync_buckets streamed from the owner in the compute dtype, one copy per machine (a relay
+  runtime  sync_layout.sync_buckets streamed from the owner in the compute dtype, one copy per machine (a relay
            forwards to its machine-mates), at most 2 buckets alive per side, checksums a chunk at a time.
   shared   (--handover wire,shared) the same, but the owner hands each bucket to the relay in shared memory
            (dist.handover=shared: CUDA IPC on a GPU, a /dev/shm file on CPU); the relay forwards on the wire.
-Runs interleave (before, runtime, before, ...) and report medians; both paths' replicas end bitwise equal to the
+Runs interleave (naive, runtime, naive, ...) and report medians; both paths' replicas end bitwise equal to the
 trainer's weights in `--dtype` (checked).
 
 Prediction: cost_model.sync_seconds -- the planner's formula over the same buckets -- with the achieved link
-bandwidth and per-version latency fitted (schedule.calibrate's least squares) on two SMALLER models' runtime syncs,
+bandwidth and per-version latency fitted (calibration.calibrate's least squares) on two SMALLER models' runtime syncs,
 then applied to the benchmark model it has never seen. The error is reported.
 """
 
@@ -37,7 +37,6 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 
-import cost_model as cm  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
@@ -49,6 +48,7 @@ from parallel.weight_sync import (  # noqa: E402
     send_version,
     weights_message,
 )
+from planner import cost_model, specs  # noqa: E402
 
 # (hidden, layers, intermediate, vocab): two small models to fit the link on, then the benchmark model (~42M)
 SHAPES = {"fit-a": (256, 4, 768, 8000), "fit-b": (384, 6, 1024, 12000), "bench": (512, 8, 1536, 16000)}
@@ -72,14 +72,14 @@ def make_model(shape, dtype):
     return LlamaForCausalLM(config).to(dtype).eval()
 
 
-# ------------------------------------------------------------------------------------------ the path before
-def old_checksum(flat: torch.Tensor) -> int:
+# ------------------------------------------------------------------------------------------ the naive sync
+def naive_checksum(flat: torch.Tensor) -> int:
     words = flat.contiguous().view(torch.uint8)
     words = torch.nn.functional.pad(words, (0, (-words.numel()) % 4)).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
     return int((words * (torch.arange(words.numel(), dtype=torch.int64) % 65521 + 1)).sum())
 
 
-def old_buckets(state_dict: dict, bucket_bytes: int) -> list[tuple[list[str], torch.Tensor]]:
+def naive_buckets(state_dict: dict, bucket_bytes: int) -> list[tuple[list[str], torch.Tensor]]:
     out, names, size = [], [], 0
     for name, t in state_dict.items():
         if names and size + t.numel() * 4 > bucket_bytes:
@@ -91,10 +91,10 @@ def old_buckets(state_dict: dict, bucket_bytes: int) -> list[tuple[list[str], to
     return out
 
 
-def old_send(trainer, leaders: list[int], bucket_bytes: int) -> int:
+def naive_send(trainer, leaders: list[int], bucket_bytes: int) -> int:
     full = trainer.gather_full_state_dict()  # fp32 host copy of the whole model
-    buckets = old_buckets(full, bucket_bytes)
-    sums = [old_checksum(flat) for _, flat in buckets]
+    buckets = naive_buckets(full, bucket_bytes)
+    sums = [naive_checksum(flat) for _, flat in buckets]
     works, sent = [], 0
     for dst in leaders:  # one rank after another, every bucket to every rank
         for _, flat in buckets:
@@ -106,7 +106,7 @@ def old_send(trainer, leaders: list[int], bucket_bytes: int) -> int:
     return sent
 
 
-def old_receive(gen, shapes: dict, bucket_bytes: int, version: int) -> None:
+def naive_receive(gen, shapes: dict, bucket_bytes: int, version: int) -> None:
     names = list(shapes)
     layout, group, size = [], [], 0
     for n in names:
@@ -122,7 +122,7 @@ def old_receive(gen, shapes: dict, bucket_bytes: int, version: int) -> None:
         dist.recv(buf, src=0, tag=21)
     state = {}
     for g, buf in zip(layout, buffers):
-        old_checksum(buf)
+        naive_checksum(buf)
         offset = 0
         for n in g:
             numel = torch.Size(shapes[n]).numel()
@@ -165,11 +165,11 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
             gen = Generator(model, max_batch_size=2, max_seq_len=32)
             shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
             channel = Channel([0], namespace=f"bench/{name}")
-        times = {"before": [], "runtime": [], "shared": []}
+        times = {"naive": [], "runtime": [], "shared": []}
         sent = {}
         repeats = args.repeats if name == "bench" else max(2, args.repeats // 2)
-        # the path before ran on host memory: on CUDA only the runtime's is timed; "runtime" is the wire hand-over
-        paths = ("before", "runtime") if name == "bench" and device.type == "cpu" else ("runtime",)
+        # the naive sync runs on host memory: on CUDA only the runtime's is timed; "runtime" is the wire hand-over
+        paths = ("naive", "runtime") if name == "bench" and device.type == "cpu" else ("runtime",)
         if name == "bench" and "shared" in args.handover.split(","):
             paths += ("shared",)
         for _ in range(repeats):
@@ -180,8 +180,8 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
                         p.data.mul_(1.001)
                 dist.barrier()
                 t0 = time.perf_counter()
-                if groups.is_train and path == "before":
-                    sent[path] = old_send(trainer, leaders, bucket_bytes)
+                if groups.is_train and path == "naive":
+                    sent[path] = naive_send(trainer, leaders, bucket_bytes)
                 elif groups.is_train:
                     handover = "shared" if path == "shared" else "wire"
                     routes, senders = plan_version(leaders, groups)
@@ -190,8 +190,8 @@ def worker(rank: int, world: int, args, port: int, out_path: str) -> None:
                         channel.send(leader, "weights", version=version, **layout, **msg, handover=handover)
                     failed, sent[path] = send_version(trainer, senders, dtype, bucket_bytes, 300, True, handover)
                     assert not failed, failed
-                elif path == "before":
-                    old_receive(gen, shapes, bucket_bytes, version)
+                elif path == "naive":
+                    naive_receive(gen, shapes, bucket_bytes, version)
                 else:
                     ((_, msg),) = channel.poll(timeout_s=300)
 
@@ -246,17 +246,19 @@ def report(results: dict, args) -> None:
     one_machine = [[0]]
 
     def predict(buckets, eff):
-        return cm.sync_seconds(buckets, replicas, one_machine, lambda a, b: 1.0, eff)
+        return cost_model.sync_seconds(buckets, replicas, one_machine, lambda a, b: 1.0, eff)
 
     # fit (latency, achieved GB/s) on the two small models: predicted = latency + T(1 GB/s) / link_eff
-    xs = [predict(results[k]["buckets"], cm.Efficiency(link_eff=1.0, sync_latency_s=0.0)) for k in ("fit-a", "fit-b")]
+    xs = [
+        predict(results[k]["buckets"], specs.Efficiency(link_eff=1.0, sync_latency_s=0.0)) for k in ("fit-a", "fit-b")
+    ]
     ys = [results[k]["seconds"]["runtime"] for k in ("fit-a", "fit-b")]
     slope = (ys[1] - ys[0]) / (xs[1] - xs[0])
     bench = results["bench"]
     # the two small models can both be latency-bound (on a GPU, ~0.1 s each): no bandwidth to fit, no prediction
-    eff = cm.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0])) if slope > 0 else None
+    eff = specs.Efficiency(link_eff=1.0 / slope, sync_latency_s=max(0.0, ys[0] - slope * xs[0])) if slope > 0 else None
     predicted = predict(bench["buckets"], eff) if eff else None
-    before, runtime = bench["seconds"].get("before"), bench["seconds"]["runtime"]
+    naive, runtime = bench["seconds"].get("naive"), bench["seconds"]["runtime"]
     print(
         f"weight sync: 1 train rank -> {args.replicas} rollout replicas on one machine "
         f"({'the owner sends to each' if args.direct else 'one relay forwards'}), rollout dtype {args.dtype}, "
@@ -284,7 +286,7 @@ def report(results: dict, args) -> None:
             f"hand-over to the relay: wire {runtime:.3f} s vs shared memory {shared:.3f} s per version "
             f"({runtime / shared:.2f}x): {faster} is faster"
         )
-    versus = f" vs before {before:.3f} s = {before / runtime:.2f}x faster" if before else ""
+    versus = f" vs naive {naive:.3f} s = {naive / runtime:.2f}x faster" if naive else ""
     prediction = (
         f"planner predicts {predicted:.3f} s ({(runtime - predicted) / predicted * 100:+.1f}% measured vs predicted)"
         if predicted
@@ -298,9 +300,9 @@ def report(results: dict, args) -> None:
             {
                 "device": args.device,
                 "params": bench["params"],
-                "speedup": before / runtime if before else None,
+                "speedup": naive / runtime if naive else None,
                 "runtime_s": runtime,
-                "before_s": before,
+                "naive_s": naive,
                 "shared_s": shared,
                 "faster_handover": ("shared" if shared < runtime else "wire") if shared else None,
                 "predicted_s": predicted,

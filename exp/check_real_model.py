@@ -1,4 +1,4 @@
-"""Our generator (rollout.Generator) against HF transformers on a real checkpoint, fp32 on CPU.
+"""Our generator (generator.Generator) against HF transformers on a real checkpoint, fp32 on CPU.
 
     python exp/check_real_model.py --model runs/<run>/smollm2-135m-hf            # 4 GSM8K test prompts, 64 tokens
 

@@ -16,7 +16,7 @@ same price per rank, so that neither all-of-one-type cluster of the same budget 
   all-<type>     the planner's plan for the same machines all of one type (the same budget, prices equal)
 
 Each plan is planned and priced with the device profile of this machine (--profile, `schedule.py profile`), whose
-constants apply to every emulated type at its fractions (cost_model.apply_profile, Cluster.speed), and then with
+constants apply to every emulated type at its fractions (profile_fit.apply_profile, cpu_bench/host.HostSpeeds), and then with
 any further --profile of one emulated type, measured under that type's throttle (`schedule.py profile --cluster
 <this cluster> --gpu-type <type>`; exp/hetero_cpu.sh takes all three), which replaces that type's constants. Each run is
 train.py on the CPU demo's job (exp/configs/cpu_demo.yaml: 16 prompts x 8 samples, eta 4; --max-batch 8 sequences
@@ -51,17 +51,17 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
+import schedule  # noqa: E402
 from config import load_config  # noqa: E402
+from planner import profile_fit, search, specs  # noqa: E402
 
 sys.path.insert(0, str(ROOT / "exp"))
-from check_profile_prediction import mean_prompt_tokens, train_passes  # noqa: E402
+from planner.run_prediction import mean_prompt_tokens, train_passes  # noqa: E402
 
 
-def workload(cfg, prompt_len: float, gen_mean: float) -> cm.Workload:
+def workload(cfg, prompt_len: float, gen_mean: float) -> specs.Workload:
     """The CPU demo job's workload as the planner reads it."""
-    return cm.Workload(
+    return specs.Workload(
         prompts_per_step=cfg.train.prompts_per_step,
         samples_per_prompt=cfg.rollout.samples_per_prompt,
         prompt_len=prompt_len,
@@ -95,20 +95,22 @@ def all_of_type(spec: dict, type_name: str) -> dict:
     return out
 
 
-def planner_for(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profiles: list[str], bucket_mb: float) -> sc.Planner:
+def planner_for(
+    spec: dict, model: specs.ModelSpec, wl: specs.Workload, profiles: list[str], bucket_mb: float
+) -> search.Planner:
     """The planner of `spec` priced by the profiles in order: this machine's applies to every emulated type, a
     profile of one emulated type (measured under its throttle) then to that type, where the cluster has it."""
-    cluster = cm.cluster_from_dict(spec, "cluster")
-    eff = cm.Efficiency()
+    cluster = specs.cluster_from_dict(spec, "cluster")
+    eff = specs.Efficiency()
     for path in profiles:
-        prof = cm.load_profile(path)
+        prof = profile_fit.load_profile(path)
         if prof.emulated and prof.gpu_type not in cluster.gpu_types:
             continue  # the all-of-one-type clusters lack the other type
-        eff = cm.apply_profile(eff, cluster, prof, path)
-    return sc.Planner(cluster, model, wl, eff, weight_bucket_mb=bucket_mb)
+        eff = profile_fit.apply_profile(eff, cluster, prof, path)
+    return search.Planner(cluster, model, wl, eff, weight_bucket_mb=bucket_mb)
 
 
-def make_plans(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profiles: list[str], bucket_mb: float) -> dict:
+def make_plans(spec: dict, model: specs.ModelSpec, wl: specs.Workload, profiles: list[str], bucket_mb: float) -> dict:
     """{name: (plan JSON, cluster spec)} of the five plans (identical splits keep their own names)."""
     p = planner_for(spec, model, wl, profiles, bucket_mb)
     if len(p.cluster.machines) != 2 or len(p.types) != 2:
@@ -127,10 +129,12 @@ def make_plans(spec: dict, model: cm.ModelSpec, wl: cm.Workload, profiles: list[
         sub = all_of_type(spec, t)
         q = planner_for(sub, model, wl, profiles, bucket_mb)
         plans[f"all-{t}"] = (q.solve(), q, sub)
-    return {name: (sc.to_plan_json(planner, ev), s) for name, (ev, planner, s) in plans.items()}
+    return {name: (schedule.to_plan_json(planner, ev), s) for name, (ev, planner, s) in plans.items()}
 
 
-def predict(plan: dict, spec: dict, model, wl: cm.Workload, profiles: list[str], bucket_mb: float) -> sc.Evaluation:
+def predict(
+    plan: dict, spec: dict, model, wl: specs.Workload, profiles: list[str], bucket_mb: float
+) -> search.Evaluation:
     """The cost model's evaluation of the plan's split and train layout on workload `wl`."""
     p = planner_for(spec, model, wl, profiles, bucket_mb)
     p.forced_layout = (plan["train"]["dp"], plan["train"]["tp"], plan["train"]["pp"])
@@ -236,7 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     args.extra = [f"rollout.max_batch_size={args.max_batch}", *args.extra]
     cfg = load_config(["config=cpu_demo", f"model.path={args.model}", *args.extra])
     spec = yaml.safe_load(Path(args.cluster).read_text())
-    model = cm.load_model_spec(ROOT / args.model)
+    model = specs.load_model_spec(ROOT / args.model)
     prompt_len = mean_prompt_tokens({"model": {"path": args.model}, "data": vars(cfg.data)})
     bucket_mb = cfg.dist.weight_bucket_mb
     wl = workload(cfg, prompt_len, args.gen_mean)
@@ -282,7 +286,7 @@ def main(argv: list[str] | None = None) -> int:
                     "rollout_s": ev.rollout_s,
                     "train_s": ev.train_s,
                     "sync_s": ev.sync_s,
-                    "decode_contention": ev.decode_contention,
+                    "decode_contention": ev.host_pricing.get("decode_contention", {}),
                 },
                 "measured_step_s": statistics.median(r["step_s"] for r in rows),
                 "measured_step_s_per_run": [statistics.median(r["step_s"] for r in rr) for rr in per_run if rr],
@@ -327,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec: dict) -> dict:
+def generation(per_run: list[list[dict]], replicas: int, ev: search.Evaluation, spec: dict) -> dict:
     """Where a replica's generation time goes, per RL step over the steady steps (the rollout counters' growth
     from each run's first steady step to its last, averaged over the runs): its wall seconds in generator steps,
     their CPU seconds, the throttle's padding, and the rest -- waits for a core the padding did not absorb -- with
@@ -343,11 +347,13 @@ def generation(per_run: list[list[dict]], replicas: int, ev: sc.Evaluation, spec
 
     wall, cpu, pad, steps = (per_step(k) for k in ("rollout_generate_s", "rollout_generate_cpu_s",
                                                     "rollout_throttle_s", "rollout_generate_steps"))  # fmt: skip
-    cluster = cm.cluster_from_dict(spec, "cluster").with_busy_devices(ev.busy_devices, ev.decode_contention)
+    speeds = specs.cluster_from_dict(spec, "cluster").speeds.with_busy_devices(
+        ev.host_pricing.get("busy_devices", {}), ev.host_pricing.get("decode_contention", {})
+    )
     rounds = [replica.cost.round_s for replica, _ in ev.rollout.replicas]
-    # the round's CPU work: the round at the speed it was priced at (Cluster.decode_speed: the bandwidth fraction,
+    # the round's CPU work: the round at the speed it was priced at (HostSpeeds.decode_speed: the bandwidth fraction,
     # less the decode contention, which is wall time)
-    priced = [replica.cost.round_s * cluster.decode_speed(replica.gpu_type) for replica, _ in ev.rollout.replicas]
+    priced = [replica.cost.round_s * speeds.decode_speed(replica.gpu_type) for replica, _ in ev.rollout.replicas]
     return {
         "wall_s": wall,
         "cpu_s": cpu,

@@ -15,7 +15,7 @@ links and prices (its setup section, reference paper.md §5):
 - `assumed` (exp/profiles/h800_paper.yaml, h20_paper.yaml): fractions assumed from published numbers, the same for
   both types (sources in the YAML); physics only, no paper number behind them.
 No Fig. 3, Fig. 4, Table 2 or Table 4 number is used by either; they are printed next to ours. The global constants
-(link_eff, sync_latency_s, mem_frac) are cost_model.Efficiency's defaults, the ones every shipped plan uses.
+(link_eff, sync_latency_s, mem_frac) are specs.Efficiency's defaults, the ones every shipped plan uses.
 
 1. Per GPU: Table 1's tokens/s, the Table-1 profile's (its residuals) and the assumed profile's.
 1b. Table 1 alone (no cost model): each GPU at its Table 1 rate, the best split, for the paper's clusters.
@@ -44,11 +44,9 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
 
-import simulate as sim  # noqa: E402
-
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
+import schedule  # noqa: E402
 from parallel.rankmap import PlanError  # noqa: E402
+from planner import cost_model, profile_fit, search, simulate, specs  # noqa: E402
 
 MODELS = {
     "1.5B": "deepseek-r1-distill-qwen-1.5b",
@@ -104,8 +102,8 @@ WORKLOAD = dict(
 GEN_MEAN, GEN_Q = 2400.0, {0.5: 1200.0, 0.9: 5000.0, 0.99: 16000.0, 1.0: 27648.0}
 
 
-def workload() -> cm.Workload:
-    return cm.Workload.from_quantiles(GEN_MEAN, GEN_Q, **WORKLOAD)
+def workload() -> specs.Workload:
+    return specs.Workload.from_quantiles(GEN_MEAN, GEN_Q, **WORKLOAD)
 
 
 # ----------------------------------------------------------------------------- devices from profiles
@@ -115,20 +113,20 @@ def workload() -> cm.Workload:
 class PaperDevice:
     """One GPU type as its profile gives it: the planner's efficiencies, the GPU type, its machines' links."""
 
-    profile: cm.DeviceProfile
-    gpu: cm.GPUType
+    profile: profile_fit.DeviceProfile
+    gpu: specs.GPUType
     inter_gbps: dict[str, float]  # other GPU type -> GB/s between a machine of this type and one of that
     source: str  # the profile's path
 
 
 def load_paper_device(path: str | Path) -> PaperDevice:
-    """The profile (checked by cost_model.load_profile) plus its `hardware` and `links` keys."""
-    prof = cm.load_profile(path)
+    """The profile (checked by profile_fit.load_profile) plus its `hardware` and `links` keys."""
+    prof = profile_fit.load_profile(path)
     with open(path) as f:
         doc = yaml.safe_load(f)
     try:
         hw, links = doc["hardware"], doc["links"]["inter_gbps"]
-        gpu = cm.GPUType(
+        gpu = specs.GPUType(
             prof.gpu_type,
             float(hw["hbm_gb"]),
             prof.tflops,
@@ -139,7 +137,7 @@ def load_paper_device(path: str | Path) -> PaperDevice:
         inter = {str(k): float(v) for k, v in links.items()}
     except (KeyError, TypeError, ValueError) as e:
         need = "hardware.{hbm_gb, intra_gbps, dollars_per_hour} and links.inter_gbps"
-        raise cm.SpecError(f"{path}: a paper profile needs {need} ({e!r})") from None
+        raise specs.SpecError(f"{path}: a paper profile needs {need} ({e!r})") from None
     return PaperDevice(prof, gpu, inter, str(path))
 
 
@@ -148,37 +146,37 @@ def paper_devices(paths: dict[str, Path] | None = None) -> dict[str, PaperDevice
     for name, path in (paths or PROFILES).items():
         dev = load_paper_device(path)
         if dev.profile.gpu_type != name:
-            raise cm.SpecError(f"{path}: gpu_type '{dev.profile.gpu_type}', expected '{name}'")
+            raise specs.SpecError(f"{path}: gpu_type '{dev.profile.gpu_type}', expected '{name}'")
         devices[name] = dev
     return devices
 
 
-def paper_cluster(name: str, devices: dict[str, PaperDevice]) -> cm.Cluster:
+def paper_cluster(name: str, devices: dict[str, PaperDevice]) -> specs.Cluster:
     """The shipped cluster `name`'s machines, with every GPU type's numbers and every link taken from the profiles
     (the YAML's own numbers are not read: they are the same paper figures, but the profiles are the source)."""
-    shipped = cm.load_cluster(ROOT / "exp" / "clusters" / f"{name}.yaml")
+    shipped = specs.load_cluster(ROOT / "exp" / "clusters" / f"{name}.yaml")
     types = sorted(shipped.gpu_types)
     inter = {}
     for i, a in enumerate(types):
         for b in types[i:]:
             ab, ba = devices[a].inter_gbps[b], devices[b].inter_gbps[a]
             if ab != ba:
-                raise cm.SpecError(f"profiles disagree on the {a}-{b} link: {ab} vs {ba} GB/s")
+                raise specs.SpecError(f"profiles disagree on the {a}-{b} link: {ab} vs {ba} GB/s")
             inter[tuple(sorted((a, b)))] = ab
-    return cm.Cluster(name, {t: devices[t].gpu for t in types}, list(shipped.machines), inter)
+    return specs.Cluster(name, {t: devices[t].gpu for t in types}, list(shipped.machines), inter)
 
 
-def paper_efficiency(cluster: cm.Cluster, devices: dict[str, PaperDevice]) -> cm.Efficiency:
+def paper_efficiency(cluster: specs.Cluster, devices: dict[str, PaperDevice]) -> specs.Efficiency:
     """cost_model's default global constants, and each of the cluster's GPU types from its profile."""
-    eff = cm.Efficiency()
+    eff = specs.Efficiency()
     for t in cluster.gpu_types:
-        eff = cm.apply_profile(eff, cluster, devices[t].profile, devices[t].source)
+        eff = profile_fit.apply_profile(eff, cluster, devices[t].profile, devices[t].source)
     return eff
 
 
-def best(name: str, model: cm.ModelSpec, devices: dict[str, PaperDevice], **kw) -> dict:
+def best(name: str, model: specs.ModelSpec, devices: dict[str, PaperDevice], **kw) -> dict:
     c = paper_cluster(name, devices)
-    return sc.plan(c, model, workload(), paper_efficiency(c, devices), **kw)
+    return schedule.plan(c, model, workload(), paper_efficiency(c, devices), **kw)
 
 
 def describe(plan: dict) -> str:
@@ -201,30 +199,32 @@ def table1_rates(size: str, gpu_type: str, dollars_per_hour: float) -> tuple[flo
     return tuple(dollars_per_hour / 3600 / (TABLE1[size][phase][i] / TABLE1_TOKENS) for phase in (0, 1))
 
 
-def one_machine(dev: PaperDevice) -> cm.Cluster:
+def one_machine(dev: PaperDevice) -> specs.Cluster:
     t = dev.gpu.name
-    return cm.Cluster(f"one_{t}", {t: dev.gpu}, [cm.Machine(0, t, 8)], {(t, t): dev.inter_gbps[t]})
+    return specs.Cluster(f"one_{t}", {t: dev.gpu}, [specs.Machine(0, t, 8)], {(t, t): dev.inter_gbps[t]})
 
 
-def rollout_per_gpu(model: cm.ModelSpec, dev: PaperDevice, te: cm.TypeEfficiency) -> tuple[float, int]:
+def rollout_per_gpu(model: specs.ModelSpec, dev: PaperDevice, te: specs.TypeEfficiency) -> tuple[float, int]:
     """cost_model's generated tokens/s per GPU of one replica of the smallest TP that fits (pp 1) rolling out one
-    step's batch (decode at its memory-limited batch plus prefill, cm.rollout_seconds), and that TP."""
-    wl, eff = workload(), cm.Efficiency(per_type={dev.gpu.name: te})
+    step's batch (decode at its memory-limited batch plus prefill, cost_model.rollout_seconds), and that TP."""
+    wl, eff = workload(), specs.Efficiency(per_type={dev.gpu.name: te})
     for tp in (1, 2, 4, 8):
-        rc = cm.replica_cost(model, dev.gpu, tp, 1, wl, eff, dev.gpu.intra_gbps)
+        rc = cost_model.replica_cost(model, dev.gpu, tp, 1, wl, eff, dev.gpu.intra_gbps)
         if rc is not None:
-            seconds = cm.rollout_seconds(model, wl, rc.tokens_per_s, rc.prefill_tflops, rc.tokens_per_s, rc.batch)
+            seconds = cost_model.rollout_seconds(
+                model, wl, rc.tokens_per_s, rc.prefill_tflops, rc.tokens_per_s, rc.batch
+            )
             return wl.batch * wl.gen_mean / seconds / tp, tp
-    raise cm.SpecError(f"{model.name} does not fit on one {dev.gpu.name} machine")
+    raise specs.SpecError(f"{model.name} does not fit on one {dev.gpu.name} machine")
 
 
-def train_per_gpu(model: cm.ModelSpec, dev: PaperDevice, te: cm.TypeEfficiency) -> tuple[float, str]:
+def train_per_gpu(model: specs.ModelSpec, dev: PaperDevice, te: specs.TypeEfficiency) -> tuple[float, str]:
     """cost_model's training tokens/s per GPU of the planner's best training plan on one 8-GPU machine of the type
     (the smallest unit the paper's clusters have, and one every model's training fits in), and that plan's shape."""
-    wl, eff = workload(), cm.Efficiency(per_type={dev.gpu.name: te})
-    tr = sc.Planner(one_machine(dev), model, wl, eff).train_plan((8,))
+    wl, eff = workload(), specs.Efficiency(per_type={dev.gpu.name: te})
+    tr = search.Planner(one_machine(dev), model, wl, eff).train_plan((8,))
     if tr is None:
-        raise cm.SpecError(f"{model.name} does not train on one {dev.gpu.name} machine")
+        raise specs.SpecError(f"{model.name} does not train on one {dev.gpu.name} machine")
     return wl.tokens_per_step / tr.seconds / 8, f"dp{tr.dp} tp{tr.tp} pp{tr.pp}"
 
 
@@ -257,7 +257,7 @@ class Table1Fit:
     """One GPU type's fractions from Table 1, and what cost_model gives per GPU with them."""
 
     gpu_type: str
-    efficiency: cm.TypeEfficiency
+    efficiency: specs.TypeEfficiency
     table1: dict[str, tuple[float, float]]  # size -> Table 1's (rollout, train) tokens/s per GPU
     ours: dict[str, tuple[float, float]]  # size -> cost_model's, with `efficiency`
     shapes: dict[str, tuple[str, str]]  # size -> (rollout replica, training plan on one machine)
@@ -267,10 +267,10 @@ class Table1Fit:
         return {s: (o[0] / self.table1[s][0] - 1, o[1] / self.table1[s][1] - 1) for s, o in self.ours.items()}
 
 
-def per_gpu(dev: PaperDevice, te: cm.TypeEfficiency) -> dict[str, tuple[tuple[float, float], tuple[str, str]]]:
+def per_gpu(dev: PaperDevice, te: specs.TypeEfficiency) -> dict[str, tuple[tuple[float, float], tuple[str, str]]]:
     out = {}
     for size, name in MODELS.items():
-        model = cm.load_model_spec(name)
+        model = specs.load_model_spec(name)
         (r, tp), (t, shape) = rollout_per_gpu(model, dev, te), train_per_gpu(model, dev, te)
         out[size] = ((r, t), (f"tp{tp}", shape))
     return out
@@ -282,24 +282,24 @@ def derive_table1(base: dict[str, PaperDevice]) -> dict[str, Table1Fit]:
     log(ours / Table 1) of rollout, then mfu_train of training with those (the optimizer step reads hbm_eff).
     decode_overhead_s stays the base profile's. `base` gives the hardware (peaks, memory, NVLink, price); its
     fractions are not used."""
-    models = {s: cm.load_model_spec(n) for s, n in MODELS.items()}
+    models = {s: specs.load_model_spec(n) for s, n in MODELS.items()}
     fits = {}
     for t, dev in base.items():
         overhead = dev.profile.efficiency.decode_overhead_s
         target = {s: table1_rates(s, t, dev.gpu.dollars_per_hour) for s in MODELS}
 
         def rollout_res(x, dev=dev, target=target, overhead=overhead):
-            te = cm.TypeEfficiency(mfu_train=1.0, mfu_infer=x[1], hbm_eff=x[0], decode_overhead_s=overhead)
+            te = specs.TypeEfficiency(mfu_train=1.0, mfu_infer=x[1], hbm_eff=x[0], decode_overhead_s=overhead)
             return [math.log(rollout_per_gpu(m, dev, te)[0] / target[s][0]) for s, m in models.items()]
 
         (hbm, mfu_infer), _ = fit_log_lsq(rollout_res, 2)
 
         def train_res(x, dev=dev, target=target, hbm=hbm, mfu_infer=mfu_infer, overhead=overhead):
-            te = cm.TypeEfficiency(x[0], mfu_infer, hbm, overhead)
+            te = specs.TypeEfficiency(x[0], mfu_infer, hbm, overhead)
             return [math.log(train_per_gpu(m, dev, te)[0] / target[s][1]) for s, m in models.items()]
 
         (mfu_train,), _ = fit_log_lsq(train_res, 1)
-        te = cm.TypeEfficiency(mfu_train, mfu_infer, hbm, overhead)
+        te = specs.TypeEfficiency(mfu_train, mfu_infer, hbm, overhead)
         got = per_gpu(dev, te)
         fits[t] = Table1Fit(t, te, target, {s: g[0] for s, g in got.items()}, {s: g[1] for s, g in got.items()})
     return fits
@@ -318,8 +318,10 @@ def table1_profile_text(fit: Table1Fit, base: PaperDevice) -> str:
     i = TABLE1_TYPES.index(t)
     price = base.gpu.dollars_per_hour
     res = fit.residuals()
-    small = cm.load_model_spec(MODELS["1.5B"])
-    rc = cm.replica_cost(small, base.gpu, 1, 1, workload(), cm.Efficiency(per_type={t: e}), base.gpu.intra_gbps)
+    small = specs.load_model_spec(MODELS["1.5B"])
+    rc = cost_model.replica_cost(
+        small, base.gpu, 1, 1, workload(), specs.Efficiency(per_type={t: e}), base.gpu.intra_gbps
+    )
     a = base.profile.efficiency
 
     def rows(phase: int) -> list[str]:
@@ -342,8 +344,8 @@ def table1_profile_text(fit: Table1Fit, base: PaperDevice) -> str:
         f"# (reference paper.md §6.1), so tokens/s per GPU = ${price}/h / 3600 / ($ per 1K tokens / 1000). One set for",
         "# the three models (DeepSeek-R1-Distill-Qwen 1.5B / 7B / 14B), least squares of log(ours / Table 1), with",
         "# reproduce_paper.workload() (64 x 16 sequences, prompt 200, mean generation 2400):",
-        "#   rollout: one replica of the smallest TP that fits (pp 1) rolls out one step (cm.replica_cost at its",
-        "#   memory-limited batch, + cm.rollout_seconds' prefill); generated tokens/s per GPU; fits hbm_eff, mfu_infer.",
+        "#   rollout: one replica of the smallest TP that fits (pp 1) rolls out one step (cost_model.replica_cost at its",
+        "#   memory-limited batch, + cost_model.rollout_seconds' prefill); generated tokens/s per GPU; fits hbm_eff, mfu_infer.",
         "#   training: the planner's best plan on one 8-GPU machine (Planner.train_plan); tokens/s per GPU; fits",
         "#   mfu_train, with the rollout's hbm_eff (cost_model's optimizer step reads it).",
         f"# These are far below what an engine reaches on the device's own peaks ({base_rel} assumes",
@@ -376,7 +378,7 @@ def write_table1_profiles() -> dict[str, Table1Fit]:
     for t, fit in fits.items():
         path = PROFILE_SETS["table1"][t]
         path.write_text(table1_profile_text(fit, base[t]))
-        cm.load_profile(path)  # passes the checks --profile runs
+        profile_fit.load_profile(path)  # passes the checks --profile runs
         print(f"wrote {path.relative_to(ROOT)}")
     return fits
 
@@ -475,7 +477,7 @@ def print_table1_alone(devices: dict[str, PaperDevice]) -> None:
 def fig3_plans(devices: dict[str, PaperDevice]) -> dict[str, dict[str, dict]]:
     out = {}
     for size, name in MODELS.items():
-        model = cm.load_model_spec(name)
+        model = specs.load_model_spec(name)
         out[size] = {
             "H20": best("h20_equal_budget", model, devices),
             "H800": best("h800_24", model, devices),
@@ -489,7 +491,7 @@ def fig3_plans(devices: dict[str, PaperDevice]) -> dict[str, dict[str, dict]]:
 def table4_plans(devices: dict[str, PaperDevice], fig3: dict) -> dict[str, tuple[dict | str, dict]]:
     out = {}
     for size, name in MODELS.items():
-        model = cm.load_model_spec(name)
+        model = specs.load_model_spec(name)
         target = fig3[size]["H800"]["predicted"]["tokens_per_s"]
         try:
             cheap = best("hetero_pool", model, devices, min_tokens_per_s=target)
@@ -585,7 +587,7 @@ def sensitivity(devices: dict[str, PaperDevice]) -> None:
         devs = with_fractions(devices, **fractions)
         cells = []
         for name in MODELS.values():
-            model = cm.load_model_spec(name)
+            model = specs.load_model_spec(name)
             t = {c: tput(best(c, model, devs)) for c in ("h800_24", "h20_equal_budget", "hetero_56")}
             cells.append(f"{t['hetero_56'] / t['h800_24']:.2f}x, {t['hetero_56'] / t['h20_equal_budget']:.2f}x")
         print(f"{fractions['hbm_eff']:>7} {fractions['mfu_train']:>9}   " + "   ".join(f"{c:>24}" for c in cells))
@@ -606,7 +608,7 @@ def eta_sweep(h800_plan: dict, title: str) -> None:
         "AReaL Fig. 5c (k tok/s): 128.7, 269.3, 356.6, 356.6, 371.7, 382.4"
     )
     for eta in (0, 1, 2, 4, 8, 16):
-        r = sim.simulate(h800_plan, steps=30, eta=eta, warmup=5)
+        r = simulate.simulate(h800_plan, steps=30, eta=eta, warmup=5)
         print(
             f"{eta:>4} {r['tokens_per_s']:>10.0f} {r['step_s']:>8.1f} {r['staleness']['mean']:>10.2f} "
             f"{r['trainer_idle_frac']:>12.2f}"
@@ -633,7 +635,7 @@ def main(argv: list[str] | None = None) -> None:
                 f"hbm_eff {e.hbm_eff:.4g}, decode_overhead_s {e.decode_overhead_s}  "
                 f"({Path(d.source).relative_to(ROOT)})"
             )
-    g = cm.Efficiency()
+    g = specs.Efficiency()
     print(f"global (cost_model defaults): link_eff {g.link_eff}, sync_latency_s {g.sync_latency_s}, ", end="")
     print(f"mem_frac {g.mem_frac}\n")
     fits = derive_table1(paper_devices(PROFILE_SETS["assumed"]))

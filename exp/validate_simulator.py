@@ -42,11 +42,10 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
-import check_profile_prediction as chk  # noqa: E402
 import compare  # noqa: E402
-import simulate  # noqa: E402
 
-import schedule as sc  # noqa: E402
+import schedule  # noqa: E402
+from planner import run_prediction, simulate  # noqa: E402
 
 TOLERANCE = 0.20  # costs profiled from each run itself
 HELD_OUT_TOLERANCE = 0.15  # costs from a device profile: the runs held out
@@ -141,15 +140,15 @@ def predict_run(run_dir: Path, profiles: list[str], cluster: str, warmup: int = 
     run = compare.load_run_dir(run_dir)
     if len(run.steps) <= warmup + 1:
         raise compare.CompareError(f"{run_dir}: {len(run.steps)} steps; validation needs more than {warmup + 1}")
-    cfg, rows, plan, layout = chk.read_run(run_dir)
+    cfg, rows, plan, layout = run_prediction.read_run(run_dir)
     if "train" not in plan or "world_size" not in plan:
         raise compare.CompareError(f"{run_dir}: plan.json has no train layout or world size")
-    wl = chk.workload(cfg, rows, chk.mean_prompt_tokens(cfg))
-    ev, planner = chk.predict(cluster, profiles, cfg, plan, layout, wl)
-    res = simulate.simulate(sc.to_plan_json(planner, ev), steps=len(run.steps), seed=seed, warmup=warmup)
+    wl = run_prediction.workload(cfg, rows, run_prediction.mean_prompt_tokens(cfg))
+    ev, planner = run_prediction.predict(cluster, profiles, cfg, plan, layout, wl)
+    res = simulate.simulate(schedule.to_plan_json(planner, ev), steps=len(run.steps), seed=seed, warmup=warmup)
     # measured: the steps after the warm-up but for those that waited for an evaluation (the cost model and the
     # simulator have no evaluations)
-    steady = chk.steady_steps(rows, warmup)
+    steady = run_prediction.steady_steps(rows, warmup)
     if not steady:
         raise compare.CompareError(f"{run_dir}: no steady steps after the first {warmup}")
     measured = {

@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-import cost_model as cm
 from parallel.rankmap import PlanError, RolloutReplica, rollout_replicas, train_coords, validate_plan
+from parallel.sync_layout import links_from_cluster
 
 
 @dataclass
@@ -152,7 +152,7 @@ def build_groups(plan: dict, mate_timeout_s: float | None = None) -> ParallelGro
     g.owner_ranks = [[at(d, 0, p) for d in range(dp)] for p in range(pp)]
     g.machine_of = {int(e["rank"]): int(e.get("machine") or 0) for e in plan["ranks"]}
     cluster = (plan.get("inputs") or {}).get("cluster")
-    g.link_gbps = cm.cluster_from_dict(cluster, "plan.inputs.cluster").link_gbps if cluster else lambda a, b: 1.0
+    g.link_gbps = links_from_cluster(cluster).gbps if cluster else lambda a, b: 1.0
     owners = {r for per_stage in g.owner_ranks for r in per_stage}
     for replica in replicas:
         ranks = sorted(owners | {replica.leader})

@@ -30,7 +30,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
-import cost_model as cm
 from config import TrainConfig
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
@@ -42,6 +41,7 @@ from parallel.ppo import (
     token_logprobs_and_entropy,
     vocab_parallel_logprobs_and_entropy,
 )
+from parallel.sync_layout import SyncBucket, param_stage, sync_buckets
 from parallel.tensor_parallel import DecoderStage, PackedSeqs, packed_position_ids
 
 
@@ -151,7 +151,7 @@ class Trainer:
         adamw = {"lr": config.lr, "betas": tuple(config.betas), "eps": config.eps, "weight_decay": config.weight_decay}
         self.optimizer = torch.optim.AdamW(self.params.values(), **adamw)
         self.links = StageLinks.from_groups(groups, self.device)
-        self._sync_buckets: dict[tuple[int, int], list[cm.SyncBucket]] = {}
+        self._sync_buckets: dict[tuple[int, int], list[SyncBucket]] = {}
         self.autocast_dtype = compute_dtype if compute_dtype != torch.float32 else None
         self.step = 0
 
@@ -528,12 +528,12 @@ class Trainer:
             if not (n == "lm_head.weight" and self.stage.tied)
         ]
 
-    def sync_buckets(self, itemsize: int, bucket_bytes: int) -> list[cm.SyncBucket]:
+    def sync_buckets(self, itemsize: int, bucket_bytes: int) -> list[SyncBucket]:
         """The weight-sync schedule of this model and layout (the planner prices the same function's buckets)."""
         key = (itemsize, bucket_bytes)
         if key not in self._sync_buckets:
             stages = [tuple(x) for x in self.groups.stage_layers]
-            self._sync_buckets[key] = cm.sync_buckets(self.sync_param_table(), stages, itemsize, bucket_bytes)
+            self._sync_buckets[key] = sync_buckets(self.sync_param_table(), stages, itemsize, bucket_bytes)
         return self._sync_buckets[key]
 
     @torch.no_grad()
@@ -545,7 +545,7 @@ class Trainer:
 
     @torch.no_grad()
     def fill_bucket(
-        self, bucket: cm.SyncBucket, out: torch.Tensor | None, dtype: torch.dtype, tp_gather: bool = True
+        self, bucket: SyncBucket, out: torch.Tensor | None, dtype: torch.dtype, tp_gather: bool = True
     ) -> None:
         """COLLECTIVE over this stage's TP group (the sending DP replica) and, under FSDP, over its DP group (every DP
         replica of the stage: the others pass tp_gather=False and only lend their shards). The stage owner (tp 0)
@@ -578,7 +578,7 @@ class Trainer:
         if g.dp_rank != 0 and not self.fsdp:
             return None
         names = [n for n in self.full_shapes if not (n == "lm_head.weight" and self.stage.tied)]
-        mine = [n for n in names if cm.param_stage(n, self.groups.stage_layers) == g.pp_rank]
+        mine = [n for n in names if param_stage(n, self.groups.stage_layers) == g.pp_rank]
         full: dict[str, torch.Tensor] = {}
         for n in mine:
             p = self._unsharded(n, torch.float32)  # under FSDP every DP rank takes part; DP rank 0 keeps it
@@ -600,7 +600,7 @@ class Trainer:
             return None
         out = {n: t.float().cpu().clone() for n, t in full.items()}
         for s in range(1, g.pp):
-            theirs = [n for n in names if cm.param_stage(n, self.groups.stage_layers) == s]
+            theirs = [n for n in names if param_stage(n, self.groups.stage_layers) == s]
             flat = torch.empty(sum(math.prod(self.full_shapes[n]) for n in theirs), device=self.device)
             dist.recv(flat, g.pp_ranks[s], group=g.pp_group)
             offset = 0

@@ -1,12 +1,12 @@
 """Trainer -> rollout weight sync: streamed bucket by bucket from the train ranks that own the parameters, in the
 rollout model's compute dtype, each bucket crossing each link once.
 
-The buckets are cost_model.sync_buckets -- the planner prices the very same list. One version:
+The buckets are parallel/sync_layout.sync_buckets -- the planner prices the very same list. One version:
   1. The train head picks one relay per rollout machine (its lowest live replica leader) and tells every live
      leader over the channel what will arrive and from whom (`weights`: the bucket layout, its source -- for a
      relay the owner of each stage that sends to it -- and for a relay the machine-mates it forwards to).
   2. Each relay takes each stage from one DP replica (all hold the same weights): the best-connected one, ties to
-     the least loaded (cost_model.assign_senders). The train ranks of that replica and stage walk its buckets in
+     the least loaded (sync_layout.assign_senders). The train ranks of that replica and stage walk its buckets in
      order (`send_version`): TP peers gather each sharded tensor onto the stage's owner (tp 0), one tensor at a
      time; the owner writes the bucket in the compute dtype into one flat byte buffer, appends its checksum
      (computed on the device, a chunk at a time) and isends it to each of its relays. At most 2 buckets are alive
@@ -43,10 +43,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-import cost_model as cm
 from errors import HexrlError
 from parallel.channel import PeerTimeout, wait_work
 from parallel.handover import DESCRIPTOR_BYTES, OpenedSlots, SharedSlots, open_slots
+from parallel.sync_layout import SYNC_CHECKSUM_BYTES, SyncBucket, assign_senders
 
 
 class WeightSyncError(HexrlError, RuntimeError):
@@ -112,16 +112,16 @@ def checksum(data: torch.Tensor) -> int:
 
 
 # ----------------------------------------------------------------------------------------------- one bucket
-def payload_view(buf: torch.Tensor, bucket: cm.SyncBucket, dtype: torch.dtype) -> torch.Tensor:
+def payload_view(buf: torch.Tensor, bucket: SyncBucket, dtype: torch.dtype) -> torch.Tensor:
     """The bucket's tensors, flat, in `dtype`: the front of its wire buffer."""
     return buf[: bucket.payload_bytes].view(dtype)
 
 
-def seal(buf: torch.Tensor, bucket: cm.SyncBucket, verify: bool) -> None:
+def seal(buf: torch.Tensor, bucket: SyncBucket, verify: bool) -> None:
     """Write the payload's checksum (or 0 when not verifying) into the buffer's last 8 bytes."""
     value = checksum(buf[: bucket.payload_bytes]) if verify else 0
     value = value - (1 << 64) if value >= 1 << 63 else value  # as the int64 it is stored in
-    buf[-cm.SYNC_CHECKSUM_BYTES :].view(torch.int64).fill_(value)
+    buf[-SYNC_CHECKSUM_BYTES:].view(torch.int64).fill_(value)
 
 
 def unseal(buf: torch.Tensor, meta: dict, version: int, verify: bool) -> dict[str, torch.Tensor]:
@@ -129,7 +129,7 @@ def unseal(buf: torch.Tensor, meta: dict, version: int, verify: bool) -> dict[st
     dtype = DTYPES[meta["dtype"]]
     payload = buf[: meta["payload_bytes"]]
     if verify:
-        sent = int(buf[-cm.SYNC_CHECKSUM_BYTES :].view(torch.int64).item()) % (1 << 64)
+        sent = int(buf[-SYNC_CHECKSUM_BYTES:].view(torch.int64).item()) % (1 << 64)
         if checksum(payload) != sent:
             raise WeightSyncError(
                 f"weight checksum mismatch for version {version} "
@@ -143,7 +143,7 @@ def unseal(buf: torch.Tensor, meta: dict, version: int, verify: bool) -> dict[st
     return out
 
 
-def bucket_meta(bucket: cm.SyncBucket, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
+def bucket_meta(bucket: SyncBucket, shapes: dict[str, tuple], dtype: torch.dtype) -> dict:
     """What a receiver needs to know of one bucket (the `weights` message carries one per bucket)."""
     return {
         "stage": bucket.stage,
@@ -297,12 +297,12 @@ def routes(leaders: list[int], machine_of: dict[int, int]) -> dict[int, tuple[in
 
 def plan_version(leaders: list[int], groups) -> tuple[dict[int, tuple[int | None, list[int]]], dict[int, list[int]]]:
     """One version's paths (routes) and senders: relay -> for each stage the DP replica whose owner sends it
-    (cost_model.assign_senders, as the planner prices it)."""
+    (sync_layout.assign_senders, as the planner prices it)."""
     machine = {r.leader: r.machine for r in groups.replicas}
     paths = routes(leaders, machine)
     relays = sorted(r for r, (source, _) in paths.items() if source is None)
     owner_machines = [[groups.machine_of[r] for r in per_stage] for per_stage in groups.owner_ranks]
-    assigned = cm.assign_senders(owner_machines, [machine[r] for r in relays], groups.link_gbps)
+    assigned = assign_senders(owner_machines, [machine[r] for r in relays], groups.link_gbps)
     senders = {r: [assigned[(stage, machine[r])] for stage in range(len(owner_machines))] for r in relays}
     return paths, senders
 

@@ -20,13 +20,14 @@ import torch
 import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-import cost_model as cm  # noqa: E402
 import parallel.weight_sync as weight_sync  # noqa: E402
 from config import TrainConfig  # noqa: E402
+from parallel import sync_layout  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
 from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.weight_sync import bucket_meta, plan_version, receive_version, send_version, weights_message  # noqa: E402
+from planner import specs  # noqa: E402
 
 
 def peak_kb() -> int:
@@ -97,10 +98,12 @@ def main():
                 report[f"peak_extra_v{version}"] = (peak_kb() - before) * 1024
             ok &= not failed
             if groups.is_train_head:
-                spec = cm.model_from_config(AutoConfig.from_pretrained(model_dir).to_dict())
-                planned = cm.sync_buckets(cm.hf_param_table(spec), stage_layers, itemsize, bucket_bytes)
+                spec = specs.model_from_config(AutoConfig.from_pretrained(model_dir).to_dict())
+                planned = sync_layout.sync_buckets(
+                    sync_layout.hf_param_table(spec), stage_layers, itemsize, bucket_bytes
+                )
                 report[f"sent_v{version}"] = sent
-                report["predicted"] = cm.sync_bytes_sent(planned, len(set(machines)))
+                report["predicted"] = sync_layout.sync_bytes_sent(planned, len(set(machines)))
                 report["buckets"] = len(planned)
                 report["max_wire"] = max(b.wire_bytes for b in planned)
             dist.barrier()  # every replica has checked this version

@@ -340,12 +340,11 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
 def test_corrupted_weights_are_refused(world_of_one, monkeypatch):
     """A bucket sealed by the sender arrives with one ulp of one weight changed: the receiver refuses it, naming the
     version and the bucket; the intact bucket is applied bitwise."""
-    import cost_model as cm
-    from parallel import weight_sync
+    from parallel import sync_layout, weight_sync
     from parallel.weight_sync import WeightSyncError, bucket_meta, payload_view, receive_version, seal
 
     sd = {"a.weight": torch.randn(4, 3), "b.bias": torch.randn(5)}
-    (bucket,) = cm.sync_buckets([(n, t.numel()) for n, t in sd.items()], [(0, 1)], 4, 1 << 20)
+    (bucket,) = sync_layout.sync_buckets([(n, t.numel()) for n, t in sd.items()], [(0, 1)], 4, 1 << 20)
     buf = torch.empty(bucket.wire_bytes, dtype=torch.uint8)
     payload_view(buf, bucket, torch.float32).copy_(torch.cat([t.reshape(-1) for t in sd.values()]))
     seal(buf, bucket, verify=True)

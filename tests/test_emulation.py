@@ -13,9 +13,10 @@ from pathlib import Path
 import pytest
 from tiny import ENV, ROOT, torchrun
 
-import cost_model as cm
-import schedule as sc
+import schedule
+from cpu_bench import host
 from cpu_bench.emulation import Emulation, EmulationError, Throttle, emulated_types
+from planner import cost_model, profile_fit, search, specs
 
 
 def busy(seconds: float) -> None:
@@ -191,15 +192,15 @@ def emulated_cluster(fractions: dict) -> dict:
 
 
 def test_the_plan_carries_the_emulation_to_each_rank():
-    cluster = cm.cluster_from_dict(emulated_cluster({"compute": 0.5}))
-    assert cluster.gpu_types["slow"].emulate == Emulation(compute=0.5)
-    again = cm.cluster_from_dict(cluster.to_dict())  # plan JSON round trip
-    assert again.gpu_types["slow"].emulate == Emulation(compute=0.5)
+    cluster = specs.cluster_from_dict(emulated_cluster({"compute": 0.5}))
+    assert cluster.speeds.emulated["slow"] == Emulation(compute=0.5)
+    again = specs.cluster_from_dict(cluster.to_dict())  # plan JSON round trip
+    assert again.speeds.emulated["slow"] == Emulation(compute=0.5)
     plan = {"inputs": {"cluster": cluster.to_dict()}, "ranks": [{"rank": 0, "gpu_type": "slow"}]}
     assert Throttle.for_rank(plan, 0).emulation == Emulation(compute=0.5)
     assert not Throttle.for_rank({"ranks": [{"rank": 0}]}, 0).active  # no cluster in the plan: full speed
     assert emulated_types(plan) == ["slow"]
-    plain = cm.load_cluster("exp/clusters/cpu.yaml")
+    plain = specs.load_cluster("exp/clusters/cpu.yaml")
     assert "emulate" not in json.dumps(plain.to_dict())  # shipped clusters unchanged
 
 
@@ -263,13 +264,13 @@ def test_an_emulated_run_says_so_in_every_step_line(tmp_path, tiny_model_dir):
     assert last["rollout_generate_steps"] >= steps[0]["rollout_generate_steps"] > 0  # the latest reports
 
 
-# -- the planner prices an emulated type at its fractions (cost_model.Cluster.speed) -----------------------------
+# -- the planner prices an emulated type at its fractions (specs.Cluster.speed) -----------------------------
 
 
-def two_type_cluster(host_cores: float | None = 1) -> cm.Cluster:
+def two_type_cluster(host_cores: float | None = 1) -> specs.Cluster:
     base = {"hbm_gb": 2, "tflops": 0.02, "hbm_tbps": 0.005, "dollars_per_hour": 1.0, "intra_gbps": 2.0}
     cores = {} if host_cores is None else {"host_cores": host_cores}
-    return cm.cluster_from_dict(
+    return specs.cluster_from_dict(
         {
             "name": "two",
             "gpu_types": {
@@ -292,57 +293,62 @@ def two_type_cluster(host_cores: float | None = 1) -> cm.Cluster:
 def test_cluster_speed_is_the_kinds_fraction_times_a_core_share_by_demand():
     c = two_type_cluster(host_cores=1)
     # two ranks wanting at most half a core each fit in one core: the fractions alone
-    assert [c.speed(0, k) for k in ("compute", "bandwidth", "link")] == [0.25, 0.5, 1.0]
-    assert [c.speed(1, k) for k in ("compute", "bandwidth", "link")] == [0.5, 0.2, 0.4]
-    assert c.type_speed("fl", "bandwidth") == 0.2 and c.type_speed("fl") == 0.5  # compute by default
-    assert c.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4
+    assert [c.speeds.speed(0, k) for k in ("compute", "bandwidth", "link")] == [0.25, 0.5, 1.0]
+    assert [c.speeds.speed(1, k) for k in ("compute", "bandwidth", "link")] == [0.5, 0.2, 0.4]
+    assert c.speeds.type_speed("fl", "bandwidth") == 0.2 and c.speeds.type_speed("fl") == 0.5  # compute by default
+    assert c.speeds.speed(2, "bandwidth") == 0.5  # plain CPU processes: 2 cores for 4
     half = two_type_cluster(host_cores=0.5)  # now each rank gets a quarter of a core, half of what it wants
-    assert [half.speed(0, k) for k in ("compute", "bandwidth")] == [0.125, 0.25]
-    assert two_type_cluster(host_cores=None).speed(1, "bandwidth") == 0.2  # no core share without host_cores
+    assert [half.speeds.speed(0, k) for k in ("compute", "bandwidth")] == [0.125, 0.25]
+    assert two_type_cluster(host_cores=None).speeds.speed(1, "bandwidth") == 0.2  # no core share without host_cores
     with pytest.raises(EmulationError, match="unknown kind"):
-        c.speed(0, "flops")
+        c.speeds.speed(0, "flops")
 
 
 def test_an_emulated_replica_and_stage_cost_the_machines_divided_by_the_fractions():
-    c, model, wl = two_type_cluster(None), cm.load_model_spec(ROOT / "exp/tiny-model"), cm.Workload(max_batch=8)
-    eff = cm.Efficiency(per_type={"*": cm.TypeEfficiency(decode_overhead_s=0.002, train_overhead_s=0.05)})
+    c, model, wl = two_type_cluster(None), specs.load_model_spec(ROOT / "exp/tiny-model"), specs.Workload(max_batch=8)
+    eff = specs.Efficiency(per_type={"*": specs.TypeEfficiency(decode_overhead_s=0.002, train_overhead_s=0.05)})
     gpu = c.gpu("fl")
-    native = cm.replica_cost(model, gpu, 1, 1, wl, eff, 2.0)
-    emulated = cm.replica_cost(model, gpu, 1, 1, wl, eff, 2.0, 64 * 2**20, c.type_speed("fl", "bandwidth"), 0.5)
+    native = cost_model.replica_cost(model, gpu, 1, 1, wl, eff, 2.0)
+    emulated = cost_model.replica_cost(
+        model, gpu, 1, 1, wl, eff, 2.0, 64 * 2**20, c.speeds.type_speed("fl", "bandwidth"), 0.5
+    )
     assert emulated.round_s == pytest.approx(native.round_s / 0.2)  # decode, its per-step overhead included
     assert emulated.prefill_tflops == pytest.approx(native.prefill_tflops * 0.5)
-    stage = lambda speed: cm.StageSpec("fl", model.layers, (1,), 2.0, 2.0, 0.0, speed)  # noqa: E731
-    t_native = cm.train_step_seconds(model, [stage(1.0)], 1, 1, c.gpu_types, wl, eff)
-    t_emulated = cm.train_step_seconds(model, [stage(c.speed(1, "compute"))], 1, 1, c.gpu_types, wl, eff)
+    stage = lambda speed: cost_model.StageSpec("fl", model.layers, (1,), 2.0, 2.0, 0.0, speed)  # noqa: E731
+    t_native = cost_model.train_step_seconds(model, [stage(1.0)], 1, 1, c.gpu_types, wl, eff)
+    t_emulated = cost_model.train_step_seconds(model, [stage(c.speeds.speed(1, "compute"))], 1, 1, c.gpu_types, wl, eff)
     assert t_emulated == pytest.approx(t_native / 0.5)
 
 
 def test_a_machine_profile_applies_to_every_emulated_type_and_a_type_profile_to_itself():
     c = two_type_cluster(None)
-    machine = cm.DeviceProfile("host", cm.TypeEfficiency(0.4, 0.6, 0.7, 0.002), 0.04, 0.01, 0.2, 0.001)
-    eff = cm.apply_profile(cm.Efficiency(), cm.Cluster(c.name, {k: v for k, v in c.gpu_types.items() if k != "cpu"},
-                                                        c.machines[:2], c.inter_gbps), machine, "m.yaml")  # fmt: skip
+    machine = profile_fit.DeviceProfile("host", specs.TypeEfficiency(0.4, 0.6, 0.7, 0.002), 0.04, 0.01, 0.2, 0.001)
+    eff = profile_fit.apply_profile(specs.Efficiency(), specs.Cluster(c.name, {k: v for k, v in c.gpu_types.items() if k != "cpu"},
+                                                        c.machines[:2], c.inter_gbps, speeds=c.subset({2: 0}).speeds),
+                                     machine, "m.yaml")  # fmt: skip
     for t in ("bw", "fl"):  # the type's nominal is half the profile's: the fractions double, the rates stay measured
         assert eff.of(t).mfu_train == pytest.approx(0.8) and eff.of(t).hbm_eff == pytest.approx(1.4)
     assert eff.link_eff == pytest.approx(0.1) and eff.sync_latency_s == 0.001
-    own = cm.DeviceProfile("fl", cm.TypeEfficiency(0.3, 0.5, 0.6, 0.001), 0.02, 0.005)
-    eff2 = cm.apply_profile(eff, c, own, "fl.yaml")
+    own = profile_fit.DeviceProfile("fl", specs.TypeEfficiency(0.3, 0.5, 0.6, 0.001), 0.02, 0.005)
+    eff2 = profile_fit.apply_profile(eff, c, own, "fl.yaml")
     assert eff2.of("fl").mfu_train == pytest.approx(0.3) and eff2.of("bw").mfu_train == pytest.approx(0.8)
     # a type's own profile measured under its throttle: its generator constants replace the machine's, its training
     # (unthrottled, another reading of the machine) does not -- one training measurement for every type
-    machine_tp = cm.DeviceProfile("host", cm.TypeEfficiency(0.4, 0.6, 0.7, 0.002, 0.01, tp_unsplit=40.0), 0.04, 0.01)
-    eff3 = cm.apply_profile(cm.Efficiency(), c, machine_tp, "m.yaml")
-    typed = cm.DeviceProfile("fl", cm.TypeEfficiency(0.3, 0.5, 0.35, 0.004, 0.03, tp_unsplit=9.0), 0.02, 0.005,
+    machine_tp = profile_fit.DeviceProfile(
+        "host", specs.TypeEfficiency(0.4, 0.6, 0.7, 0.002, 0.01, tp_unsplit=40.0), 0.04, 0.01
+    )
+    eff3 = profile_fit.apply_profile(specs.Efficiency(), c, machine_tp, "m.yaml")
+    typed = profile_fit.DeviceProfile("fl", specs.TypeEfficiency(0.3, 0.5, 0.35, 0.004, 0.03, tp_unsplit=9.0), 0.02, 0.005,
                              emulated=True)  # fmt: skip
-    te = cm.apply_profile(eff3, c, typed, "fl.yaml").of("fl")
+    te = profile_fit.apply_profile(eff3, c, typed, "fl.yaml").of("fl")
     assert (te.mfu_infer, te.hbm_eff, te.decode_overhead_s) == (0.5, 0.35, 0.004)
     assert te.mfu_train == eff3.of("fl").mfu_train and te.train_overhead_s == 0.01
     assert te.tp_unsplit / te.hbm_eff == pytest.approx(40.0 / eff3.of("fl").hbm_eff)  # the same seconds
-    alone = cm.apply_profile(cm.Efficiency(), c, typed, "fl.yaml").of("fl")
+    alone = profile_fit.apply_profile(specs.Efficiency(), c, typed, "fl.yaml").of("fl")
     assert alone.mfu_train == 0.3 and alone.tp_unsplit == 9.0  # no machine profile before it: its own
-    plain = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml")
-    with pytest.raises(cm.SpecError, match="not a GPU type of cluster"):
-        cm.apply_profile(cm.Efficiency(), plain, machine, "m.yaml")
+    plain = specs.load_cluster(ROOT / "exp/clusters/cpu.yaml")
+    with pytest.raises(specs.SpecError, match="not a GPU type of cluster"):
+        profile_fit.apply_profile(specs.Efficiency(), plain, machine, "m.yaml")
 
 
 def hetero_experiment():
@@ -352,8 +358,8 @@ def hetero_experiment():
     import yaml
 
     spec = yaml.safe_load((ROOT / "exp/clusters/cpu_hetero.yaml").read_text())
-    model = cm.load_model_spec(ROOT / "exp/tiny-model")
-    wl = cm.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
+    model = specs.load_model_spec(ROOT / "exp/tiny-model")
+    wl = specs.Workload(prompts_per_step=16, samples_per_prompt=8, prompt_len=29, gen_samples=[25.0], eta=4,
                      precision="fp32", microbatch_tokens=1024, max_batch=8, train_passes=3)  # fmt: skip
     return hetero_cpu, spec, model, wl
 
@@ -412,7 +418,7 @@ def test_the_hetero_summary_splits_a_replicas_generation_into_work_padding_and_w
     assert g["priced_wall_per_step_s"] == pytest.approx(pj["rollout"]["replicas"][0]["round_s"], rel=1e-6)
     assert g["priced_cpu_per_step_s"] == pytest.approx(g["priced_wall_per_step_s"] * bandwidth, rel=1e-6)
     # a decode contention is wall time beyond the CPU work: it leaves the priced CPU of the same round less
-    ev.decode_contention = {cfg.gpu_type: 1.25 for cfg, _ in ev.rollout.replicas}
+    ev.host_pricing["decode_contention"] = {cfg.gpu_type: 1.25 for cfg, _ in ev.rollout.replicas}
     contended = hetero_cpu.generation(runs, replicas, ev, sub)
     assert contended["priced_cpu_per_step_s"] == pytest.approx(g["priced_cpu_per_step_s"] / 1.25, rel=1e-6)
     assert hetero_cpu.generation([[row(4, 1, 1, 0, 1)]], replicas, ev, sub) == {}  # one steady step: no growth
@@ -430,9 +436,9 @@ def test_an_emulated_ranks_core_share_is_whole_in_every_role_of_every_split():
         ev = p.evaluate(counts)
         if not ev.train or not ev.rollout:
             continue
-        priced = p.cluster.with_busy_devices(ev.busy_devices)
-        for m, roles in ev.busy_devices.items():
-            emulate = p.cluster.gpu(p.cluster.machines[m].gpu_type).emulate
+        priced = p.cluster.speeds.with_busy_devices(ev.host_pricing["busy_devices"])
+        for m, roles in ev.host_pricing["busy_devices"].items():
+            emulate = p.cluster.speeds.emulated[p.cluster.machines[m].gpu_type]
             for role in roles:
                 for kind in ("compute", "bandwidth", "link"):
                     assert priced.speed(m, kind, role) == emulate.fraction(kind), (counts, m, role, kind)
@@ -445,19 +451,19 @@ def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainer
     each type's replicas at the mean factor over the split's train GPUs by type, a trainer type not measured counting
     as the replica's own; the rounds stretch by exactly it, and the plan JSON carries it to a replay."""
     sys.path.insert(0, str(ROOT / "exp"))
-    import simulate
+    from planner import simulate
 
     hetero_cpu, spec, model, wl = hetero_experiment()
     base = hetero_cpu.planner_for(spec, model, wl, [str(ROOT / "exp/profiles/cpu.yaml")], 64.0)
-    eff = cm.Efficiency.from_dict(base.eff.to_dict())
+    eff = specs.Efficiency.from_dict(base.eff.to_dict())
     eff.per_type["h20ish"].decode_beside = {"h20ish": 1.1, "h800ish": 1.3}
     eff.per_type["h800ish"].decode_beside = {"h800ish": 1.05}  # its profile never saw h20ish trainers
-    assert cm.decode_contention(eff, {"h20ish": 1, "h800ish": 3}) == pytest.approx(
+    assert host.decode_contention(eff, {"h20ish": 1, "h800ish": 3}) == pytest.approx(
         {"h20ish": (1.1 + 3 * 1.3) / 4, "h800ish": 1.05}
     )
-    assert cm.decode_contention(base.eff, {"h20ish": 2}) == {}  # no type measured beside neighbours
-    assert cm.decode_contention(eff, {}) == {}  # no trainers
-    contended = sc.Planner(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
+    assert host.decode_contention(base.eff, {"h20ish": 2}) == {}  # no type measured beside neighbours
+    assert host.decode_contention(eff, {}) == {}  # no trainers
+    contended = search.Planner(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
     machines = [m.gpu_type for m in base.cluster.machines]
     for counts, expect in (
         (tuple(2 * (t == "h800ish") for t in machines), {"h20ish": 1.3, "h800ish": 1.05}),  # trainers all h800ish
@@ -465,15 +471,18 @@ def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainer
         (tuple(2 * (t == "h20ish") for t in machines), {"h20ish": 1.1, "h800ish": 1.05}),
     ):
         plain, ev = base.evaluate(counts), contended.evaluate(counts)
-        assert ev.decode_contention == pytest.approx(expect) and plain.decode_contention == {}
+        assert (
+            ev.host_pricing["decode_contention"] == pytest.approx(expect)
+            and "decode_contention" not in plain.host_pricing
+        )
         for (cfg, ids), (cfg0, ids0) in zip(ev.rollout.replicas, plain.rollout.replicas):
             assert cfg.gpu_type == cfg0.gpu_type and ids == ids0
             # a core share of 1 on this cluster (two ranks of at most half a core each per machine's one core)
             assert cfg.cost.round_s == pytest.approx(cfg0.cost.round_s * expect[cfg.gpu_type], rel=1e-9)
         assert ev.rollout_s > plain.rollout_s
-    pj = sc.plan(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
+    pj = schedule.plan(base.cluster, model, wl, eff, weight_bucket_mb=64.0)
     assert set(pj["predicted"]["decode_contention"]) == {"h20ish", "h800ish"}
-    again, counts = sc.planner_from_plan(pj)
+    again, counts = schedule.planner_from_plan(pj)
     assert again.evaluate(counts).step_s == pytest.approx(pj["predicted"]["step_s"])
     cluster, model2, wl2, eff2 = simulate._inputs(pj, None, None)
     replicas = simulate.build_replicas(pj, cluster, model2, wl2, eff2)
@@ -484,31 +493,36 @@ def test_a_rollout_rank_is_priced_at_the_decode_contention_of_its_splits_trainer
 
 
 def test_decode_beside_is_the_measured_wall_over_the_fits_price_and_checked():
-    """cost_model.decode_beside_fit: each neighbour type's measured wall per step over what the profile's decode
+    """profile_fit.decode_beside_fit: each neighbour type's measured wall per step over what the profile's decode
     constants price that step's CPU work at, at the type's fraction; check_profile_efficiency bounds it."""
-    spec = cm.load_model_spec(ROOT / "exp/tiny-model")
-    gpu = cm.GPUType("h20ish", 2, 0.035, 0.013, 1.0, 2.0)
-    te = cm.TypeEfficiency(hbm_eff=0.75, mfu_decode=0.65, decode_combine="sum", decode_overhead_s=0.0035)
-    cpu_s = cm.decode_round_s(spec, gpu, te, 1, 1, 8, 72.5, 4, 2.0)
+    spec = specs.load_model_spec(ROOT / "exp/tiny-model")
+    gpu = specs.GPUType("h20ish", 2, 0.035, 0.013, 1.0, 2.0)
+    te = specs.TypeEfficiency(hbm_eff=0.75, mfu_decode=0.65, decode_combine="sum", decode_overhead_s=0.0035)
+    cpu_s = cost_model.decode_round_s(spec, gpu, te, 1, 1, 8, 72.5, 4, 2.0)
     assert 0.005 < cpu_s < 0.05  # a CPU core's step of the tiny model, 8 rows
     points = {"h20ish": {"wall_s": 2.2 * cpu_s, "cpu_s": cpu_s}, "h800ish": {"wall_s": 2.6 * cpu_s, "cpu_s": cpu_s}}
     measured = {"model_config": spec.to_config(), "batch": 8, "context": 72.5, "bytes": 4, "fraction": 0.5,
                 "points": points}  # fmt: skip
-    fit = cm.decode_beside_fit(measured, gpu, te)
+    fit = profile_fit.decode_beside_fit(measured, gpu, te)
     assert fit == pytest.approx({"h20ish": 1.1, "h800ish": 1.3})  # wall / (priced CPU / 0.5)
-    assert cm.decode_beside_fit(None, gpu, te) == {} and cm.decode_beside_fit({"points": {}}, gpu, te) == {}
+    assert (
+        profile_fit.decode_beside_fit(None, gpu, te) == {}
+        and profile_fit.decode_beside_fit({"points": {}}, gpu, te) == {}
+    )
     good = {"mfu_train": 0.3, "mfu_infer": 0.3, "hbm_eff": 0.3, "decode_overhead_s": 0.001, "train_overhead_s": 0.01}
-    te = cm.check_profile_efficiency({**good, "decode_beside": fit}, "p.yaml")
+    te = profile_fit.check_profile_efficiency({**good, "decode_beside": fit}, "p.yaml")
     assert te.decode_beside == pytest.approx(fit)
     for bad, what in ((9.0, "not physically plausible"), (0.3, "not physically plausible"), ("x", "must be a number")):
-        with pytest.raises(cm.SpecError, match=f"p.yaml: efficiency.decode_beside.h800ish.*{what}"):
-            cm.check_profile_efficiency({**good, "decode_beside": {"h800ish": bad}}, "p.yaml")
-    with pytest.raises(cm.SpecError, match="must map neighbour GPU types to numbers"):
-        cm.check_profile_efficiency({**good, "decode_beside": [1.0]}, "p.yaml")
+        with pytest.raises(specs.SpecError, match=f"p.yaml: efficiency.decode_beside.h800ish.*{what}"):
+            profile_fit.check_profile_efficiency({**good, "decode_beside": {"h800ish": bad}}, "p.yaml")
+    with pytest.raises(specs.SpecError, match="must map neighbour GPU types to numbers"):
+        profile_fit.check_profile_efficiency({**good, "decode_beside": [1.0]}, "p.yaml")
     # a type profile's factors reach its type when applied
-    cluster = cm.load_cluster(ROOT / "exp/clusters/cpu_hetero.yaml")
-    prof = cm.DeviceProfile("h20ish", te, 0.03, 0.012, emulated=True)
-    assert cm.apply_profile(cm.Efficiency(), cluster, prof, "p.yaml").of("h20ish").decode_beside == pytest.approx(fit)
+    cluster = specs.load_cluster(ROOT / "exp/clusters/cpu_hetero.yaml")
+    prof = profile_fit.DeviceProfile("h20ish", te, 0.03, 0.012, emulated=True)
+    assert profile_fit.apply_profile(specs.Efficiency(), cluster, prof, "p.yaml").of(
+        "h20ish"
+    ).decode_beside == pytest.approx(fit)
 
 
 def test_the_cotenancy_bench_mixes_follow_the_clusters_ranks():

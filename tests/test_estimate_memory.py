@@ -11,26 +11,24 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "exp"))
 
-import estimate_memory as em  # noqa: E402
+import schedule  # noqa: E402
+from planner import cost_model, memory, specs  # noqa: E402
 
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
-
-within = em.validation_ok  # within 15% of the measured lower bound, not above the upper bound by more than that
+within = memory.validation_ok  # within 15% of the measured lower bound, not above the upper bound by more than that
 
 
 def test_estimate_within_15_percent_of_measured_peak_two_models_two_layouts():
     """Real CPU runs (gloo, the profiler's allocation records) vs the estimator in the same processes: a tied Qwen2
     under FSDP over 2 DP ranks, an untied GQA Llama over 2 TP ranks, and a rollout rank each time."""
-    rows = em.validate([("qwen2", "dp2"), ("llama", "tp2")], full_batch=False)
+    rows = memory.validate([("qwen2", "dp2"), ("llama", "tp2")], full_batch=False)
     assert len(rows) == 6 and {r["role"] for r in rows} == {"train", "rollout"}
     bad = [r for r in rows if not within(r)]
-    assert not bad, em.format_validation(rows)
+    assert not bad, memory.format_validation(rows)
     # the kinds add up, and the FSDP ranks hold exactly their half of AdamW's two fp32 moments (and its step counts)
-    qwen = em.VALIDATION_MODELS["qwen2"]
-    spec = cm.model_from_config(qwen)
+    qwen = memory.VALIDATION_MODELS["qwen2"]
+    spec = specs.model_from_config(qwen)
     for r in rows:
-        assert sum(r["kinds"][k] for k in em.KINDS) == r["estimated"]
+        assert sum(r["kinds"][k] for k in memory.KINDS) == r["estimated"]
         if r["model"] == "qwen2" and r["role"] == "train":
             steps = r["kinds"]["optimizer"] - 2 * 4 * spec.params // 2  # AdamW's fp32 step counter per tensor
             assert 0 < steps <= 4 * 64, r["kinds"]
@@ -46,16 +44,16 @@ def test_within_rejects_an_estimate_that_misses_the_activations():
 
 
 def _plan(cluster: str, model: str, **kw) -> dict:
-    wl = cm.Workload.from_quantiles(
+    wl = specs.Workload.from_quantiles(
         1500, {0.5: 1000, 0.9: 3500, 0.99: 7000}, prompts_per_step=64, samples_per_prompt=16, prompt_len=200,
         ppo_minibatches=4, **kw
     )  # fmt: skip
-    return sc.plan(cm.load_cluster(ROOT / f"exp/clusters/{cluster}.yaml"), cm.load_model_spec(model), wl)
+    return schedule.plan(specs.load_cluster(ROOT / f"exp/clusters/{cluster}.yaml"), specs.load_model_spec(model), wl)
 
 
 def test_distinct_ranks_stand_for_every_working_rank_once():
     plan = _plan("hetero_24", "deepseek-r1-distill-qwen-7b", microbatch_tokens=16384, max_batch=64)
-    entries = em.distinct_ranks(plan)
+    entries = memory.distinct_ranks(plan)
     covered = sorted(r for e in entries for r in e["ranks"])
     working = sorted(r["rank"] for r in plan["ranks"] if not r.get("idle"))
     assert covered == working
@@ -88,26 +86,28 @@ def test_planner_memory_model_agrees_with_the_estimator():
     r, t = cfg.rollout, cfg.train
     r.samples_per_prompt, r.max_new_tokens, r.max_seq_len, r.max_batch_size = 8, 1024, 1536, 8
     t.prompts_per_step, t.ppo_minibatches, t.micro_batch_tokens, t.activation_checkpointing = 4, 2, 4096, True
-    spec = cm.model_from_config(hf.to_dict())
-    prompt, response, _ = em.batch_shape(cfg)
-    wl = cm.Workload(prompts_per_step=4, samples_per_prompt=8, prompt_len=prompt, gen_samples=[response],
+    spec = specs.model_from_config(hf.to_dict())
+    prompt, response, _ = memory.batch_shape(cfg)
+    wl = specs.Workload(prompts_per_step=4, samples_per_prompt=8, prompt_len=prompt, gen_samples=[response],
                      ppo_minibatches=2, microbatch_tokens=4096, max_batch=8)  # fmt: skip
     compared = []
     for (dp, tp, pp), stages, ranks in (((2, 1, 1), [(0, 2)], (0, 2)), ((1, 1, 2), [(0, 1), (1, 2)], (0, 1))):
         plan = make_train_plan(dp, tp, pp, stages, world_size=dp * tp * pp + 1)
         for rank in ranks:
-            em.init_fake(plan["world_size"], rank)
+            memory.init_fake(plan["world_size"], rank)
             try:
-                est = em.estimate_rank(cfg, plan, rank, 80e9, hf_cfg=hf)
+                est = memory.estimate_rank(cfg, plan, rank, 80e9, hf_cfg=hf)
             finally:
                 dist.destroy_process_group()
             if est["role"] == "train":
                 k = rank // (dp * tp)
                 a, b = stages[k]
-                ours = cm.train_memory_parts(spec, b - a, k == pp - 1, k == 0, dp, tp, k, pp, wl)
+                ours = cost_model.train_memory_parts(spec, b - a, k == pp - 1, k == 0, dp, tp, k, pp, wl)
             else:
                 pool = r.max_batch_size * r.max_seq_len  # the Generator's pool without kv_cache_* keys
-                ours = cm.replica_memory_parts(spec, 1, pool, r.max_batch_size, wl, cfg.dist.weight_bucket_mb * 2**20)
+                ours = cost_model.replica_memory_parts(
+                    spec, 1, pool, r.max_batch_size, wl, cfg.dist.weight_bucket_mb * 2**20
+                )
             compared.append((dp, tp, pp, rank, est["role"], est["peak_bytes"], ours["peak_bytes"]))
     bad = [c for c in compared if abs(c[6] / c[5] - 1) > 0.15]
     assert not bad, compared

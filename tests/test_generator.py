@@ -1,4 +1,4 @@
-"""Tests for rollout.Generator: exactness against HF, continuous batching, seeds, weight swaps, bad input."""
+"""Tests for generator.Generator: exactness against HF, continuous batching, seeds, weight swaps, bad input."""
 
 import dataclasses
 import os

@@ -1,4 +1,4 @@
-"""Tensor-parallel rollout.Generator (tp_group): two gloo ranks on CPU against HF and the single-process Generator.
+"""Tensor-parallel generator.Generator (tp_group): two gloo ranks on CPU against HF and the single-process Generator.
 
 One spawn of 2 ranks (module fixture) runs every TP case and saves each rank's outputs; the tests compare them:
 greedy == HF generate with log-probs within 1e-4 of HF's full forward (Llama GQA, Llama with attention/MLP biases,

@@ -42,3 +42,34 @@ def test_no_import_cycles():
     assert graph.has_edge("train", "buffer")
     cycles = list(nx.simple_cycles(graph))
     assert not cycles, "import cycles: " + "; ".join(" -> ".join([*c, c[0]]) for c in cycles)
+
+
+# The runtime (what torchrun starts) and the planner meet only at the plan JSON and at torch-free modules both read
+# (parallel/sync_layout.py, parallel/rankmap.py): no runtime module reaches a planner module through its imports.
+RUNTIME_TOP = {"train", "head", "rollout", "generator", "kv_cache", "sampler", "model", "buffer", "reward_math"}
+RUNTIME_TOP |= {"config", "tasks", "runlog", "checkpoint", "errors"}
+PLANNER_TOP = {"schedule", "cost_model", "device_profile", "simulate", "estimate_memory"}
+PLANNER_PACKAGES = ("planner.",)
+PLANNER_MODULES = {"cpu_bench.host"}  # the CPU bench's pricing of its host plugs into the planner
+
+
+def runtime_modules(graph: nx.DiGraph) -> set[str]:
+    return {n for n in graph if n in RUNTIME_TOP or n.startswith("parallel.")}
+
+
+def planner_modules(graph: nx.DiGraph) -> set[str]:
+    return {n for n in graph if n in PLANNER_TOP | PLANNER_MODULES or n.startswith(PLANNER_PACKAGES)}
+
+
+def test_the_runtime_imports_no_planner_module():
+    graph = import_graph()
+    runtime, planner = runtime_modules(graph), planner_modules(graph)
+    assert {"train", "rollout", "buffer", "parallel.trainer", "parallel.weight_sync"} <= runtime
+    assert {"schedule"} <= planner
+    # the walk sees both sides and the module they share
+    assert graph.has_edge("parallel.weight_sync", "parallel.sync_layout")
+    assert any(graph.has_edge(p, "parallel.sync_layout") for p in planner)
+    reached = {(r, p) for r in runtime for p in nx.descendants(graph, r) & planner}
+    assert not reached, "runtime modules reaching the planner: " + "; ".join(
+        " -> ".join(nx.shortest_path(graph, r, p)) for r, p in sorted(reached)
+    )

@@ -13,8 +13,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
+import schedule  # noqa: E402
 from parallel.rankmap import (  # noqa: E402
     ANY_DEVICE_ENV,
     PlanError,
@@ -26,15 +25,16 @@ from parallel.rankmap import (  # noqa: E402
     make_train_plan,
     plan_nodes,
 )
+from planner import specs  # noqa: E402
 
-WL = cm.Workload(prompts_per_step=4, samples_per_prompt=8, prompt_len=20, gen_samples=[30], max_batch=32)
+WL = specs.Workload(prompts_per_step=4, samples_per_prompt=8, prompt_len=20, gen_samples=[30], max_batch=32)
 
 
 @pytest.fixture(scope="module")
 def two_node_plan() -> dict:
     """exp/clusters/cpu_2node.yaml planned for the shipped tiny model: 2 machines of 2 CPU ranks."""
-    cluster = cm.load_cluster(ROOT / "exp/clusters/cpu_2node.yaml")
-    return sc.plan(cluster, cm.load_model_spec(ROOT / "exp/tiny-model"), WL)
+    cluster = specs.load_cluster(ROOT / "exp/clusters/cpu_2node.yaml")
+    return schedule.plan(cluster, specs.load_model_spec(ROOT / "exp/tiny-model"), WL)
 
 
 def env(rank: int, node: int, local: int, nproc: int, **extra) -> dict:
@@ -192,8 +192,11 @@ def test_layout_record_fields(two_node_plan):
 
 
 def test_layout_record_of_tp_replicas_and_idle_ranks():
-    cluster, model = cm.load_cluster(ROOT / "exp/clusters/cpu.yaml", 5), cm.load_model_spec(ROOT / "exp/tiny-model")
-    plan = sc.plan(cluster, model, WL, train_layout=(2, 1, 1), rollout_tp=2)
+    cluster, model = (
+        specs.load_cluster(ROOT / "exp/clusters/cpu.yaml", 5),
+        specs.load_model_spec(ROOT / "exp/tiny-model"),
+    )
+    plan = schedule.plan(cluster, model, WL, train_layout=(2, 1, 1), rollout_tp=2)
     recs = [layout_record(plan, env(r, 0, r, 5), "cpu") for r in range(5)]
     assert [(x["role"], x["replica"], x["tp_rank"]) for x in recs] == [
         ("train", None, None),

@@ -15,10 +15,10 @@ import yaml
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-import cost_model as cm  # noqa: E402
-import schedule as sc  # noqa: E402
+import schedule  # noqa: E402
+from planner import cost_model, profile_fit, search, specs  # noqa: E402
 
-CPU = cm.GPUType("cpu", 2, 0.02, 0.005, 0.05, 2.0)
+CPU = specs.GPUType("cpu", 2, 0.02, 0.005, 0.05, 2.0)
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
@@ -43,17 +43,17 @@ def test_fit_recovers_known_constants_from_synthetic_timings():
     rate, overhead = 5e9, 0.002
     work = [1e7, 2e7, 3.5e7, 5e7, 8e7, 1.2e8]
     exact = [w / rate + overhead for w in work]
-    got_rate, got_overhead, r2 = cm.fit_rate(work, exact, "decode")
+    got_rate, got_overhead, r2 = profile_fit.fit_rate(work, exact, "decode")
     assert got_rate == pytest.approx(rate, rel=1e-9)
     assert got_overhead == pytest.approx(overhead, rel=1e-6)
     assert r2 == pytest.approx(1.0)
     noisy = [t * (1 + 0.01 * (-1) ** i) for i, t in enumerate(exact)]
-    got_rate, got_overhead, r2 = cm.fit_rate(work, noisy, "decode")
+    got_rate, got_overhead, r2 = profile_fit.fit_rate(work, noisy, "decode")
     assert got_rate == pytest.approx(rate, rel=0.03)
     assert got_overhead == pytest.approx(overhead, rel=0.15)
     assert r2 > 0.99
-    with pytest.raises(cm.SpecError, match="decode: time does not grow with the work"):
-        cm.fit_rate([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], "decode")
+    with pytest.raises(specs.SpecError, match="decode: time does not grow with the work"):
+        profile_fit.fit_rate([1.0, 2.0, 3.0], [3.0, 2.0, 1.0], "decode")
 
 
 def test_finish_profile_turns_synthetic_points_into_the_type_efficiency():
@@ -69,7 +69,7 @@ def test_finish_profile_turns_synthetic_points_into_the_type_efficiency():
         "prefill": [{"flops": f, "step_s": f / prefill + 0.004} for f in (4e8, 1.6e9, 3.3e9)],
         "train": [{"flops": f, "step_s": f / train + 0.2} for f in (7e9, 2e10, 4e10)],
     }
-    cm.finish_profile(out, CPU, log=lambda *_: None)
+    profile_fit.finish_profile(out, CPU, log=lambda *_: None)
     e = out["efficiency"]
     assert e["hbm_eff"] == pytest.approx(bw / 5e9)
     assert e["mfu_infer"] == pytest.approx(prefill / 2e10)
@@ -78,20 +78,20 @@ def test_finish_profile_turns_synthetic_points_into_the_type_efficiency():
     assert out["measured"]["train_overhead_s"] == pytest.approx(0.2)
     assert all(p["memory_bound"] for p in decode)
     # against a type 10x slower than these rates the fractions are 4-6: refused, naming the first constant
-    with pytest.raises(cm.SpecError, match=r"efficiency\.mfu_train = 4 is not physically plausible"):
-        cm.finish_profile(out, cm.GPUType("cpu", 2, 0.002, 0.005, 0.05, 2.0), log=lambda *_: None)
+    with pytest.raises(specs.SpecError, match=r"efficiency\.mfu_train = 4 is not physically plausible"):
+        profile_fit.finish_profile(out, specs.GPUType("cpu", 2, 0.002, 0.005, 0.05, 2.0), log=lambda *_: None)
 
 
-TINY = cm.load_model_spec(ROOT / "exp/tiny-model")
+TINY = specs.load_model_spec(ROOT / "exp/tiny-model")
 
 
-def tp_workload(prompts: int) -> cm.Workload:
+def tp_workload(prompts: int) -> specs.Workload:
     """A step of `prompts` x 8 sequences of 32 + 32 tokens in 2 minibatches of 512-token micro-batches, 4 passes."""
-    return cm.Workload(prompts_per_step=prompts, samples_per_prompt=8, prompt_len=32, gen_samples=[32.0],
+    return specs.Workload(prompts_per_step=prompts, samples_per_prompt=8, prompt_len=32, gen_samples=[32.0],
                        precision="fp32", ppo_minibatches=2, microbatch_tokens=512, train_passes=4.0)  # fmt: skip
 
 
-def step_flops(wl: cm.Workload) -> float:
+def step_flops(wl: specs.Workload) -> float:
     return (
         wl.train_passes
         * wl.tokens_per_step
@@ -137,15 +137,17 @@ def test_tp_steps_give_tp_unsplit_and_tp_overhead_and_the_cost_model_gives_the_s
     """finish_profile's tp_unsplit and tp_overhead_s are what make train_step_seconds at tp 2 equal the measured TP
     steps, on the workloads those steps were; at tp 1 neither term acts; TP steps no slower than the model without
     them give 0; a profile without TP steps has neither."""
-    stage = cm.StageSpec("cpu", TINY.layers, (0,), CPU.intra_gbps, 2.0, 0.0)
+    stage = cost_model.StageSpec("cpu", TINY.layers, (0,), CPU.intra_gbps, 2.0, 0.0)
 
-    def priced(out: dict, wl: cm.Workload, tp: int) -> float:
-        prof = cm.profile_from_dict({**out, "gpu_type": "cpu"}, "synthetic")
-        eff = cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, "synthetic")
-        return cm.train_step_seconds(TINY, [stage], 1, tp, {"cpu": CPU}, wl, eff)
+    def priced(out: dict, wl: specs.Workload, tp: int) -> float:
+        prof = profile_fit.profile_from_dict({**out, "gpu_type": "cpu"}, "synthetic")
+        eff = profile_fit.apply_profile(
+            specs.Efficiency(), specs.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, "synthetic"
+        )
+        return cost_model.train_step_seconds(TINY, [stage], 1, tp, {"cpu": CPU}, wl, eff)
 
     out = tp_profile_points([0.8, 0.7])  # a TP rank at 80% / 70% of one rank's step: much left whole
-    cm.finish_profile(out, CPU, log=lambda *_: None)
+    profile_fit.finish_profile(out, CPU, log=lambda *_: None)
     e = out["efficiency"]
     assert e["tp_unsplit"] > 0 and e["tp_overhead_s"] > 0 and out["measured"]["train_tp_unsplit"] == e["tp_unsplit"]
     for k, p in enumerate(out["train_tp"]["points"]):
@@ -153,15 +155,15 @@ def test_tp_steps_give_tp_unsplit_and_tp_overhead_and_the_cost_model_gives_the_s
         assert priced(out, wl, 2) == pytest.approx(p["step_s"], rel=1e-9)
         assert priced(out, wl, 1) == pytest.approx(p["step_s"] / (0.8, 0.7)[k], rel=1e-9)  # the tp-1 line
     fast = tp_profile_points([0.3, 0.3])  # below half a step: nothing left whole to charge
-    cm.finish_profile(fast, CPU, log=lambda *_: None)
+    profile_fit.finish_profile(fast, CPU, log=lambda *_: None)
     assert fast["efficiency"]["tp_unsplit"] == 0.0 and fast["efficiency"]["tp_overhead_s"] == 0.0
     one = tp_profile_points([0.8])  # one TP step: all of it per token
-    cm.finish_profile(one, CPU, log=lambda *_: None)
+    profile_fit.finish_profile(one, CPU, log=lambda *_: None)
     assert one["efficiency"]["tp_overhead_s"] == 0.0
     assert priced(one, tp_workload(2), 2) == pytest.approx(one["train_tp"]["points"][0]["step_s"], rel=1e-9)
     without = tp_profile_points([])
     del without["train_tp"]
-    cm.finish_profile(without, CPU, log=lambda *_: None)
+    profile_fit.finish_profile(without, CPU, log=lambda *_: None)
     assert "tp_unsplit" not in without["efficiency"] and "tp_overhead_s" not in without["efficiency"]
 
 
@@ -170,26 +172,28 @@ def test_dp_steps_give_dp_overhead_and_the_cost_model_gives_the_steps_back():
     average over them, on the workloads they were: one sequence per trajectory, 2 minibatches, the profile's
     micro-batches); at dp 1 it does not act; DP steps no slower than the model give 0; without DP steps it is
     absent."""
-    stage = cm.StageSpec("cpu", TINY.layers, (0,), CPU.intra_gbps, CPU.intra_gbps, 0.0)
+    stage = cost_model.StageSpec("cpu", TINY.layers, (0,), CPU.intra_gbps, CPU.intra_gbps, 0.0)
 
-    def workload(n: int) -> cm.Workload:
-        return cm.Workload(prompts_per_step=n, samples_per_prompt=1, prompt_len=32, gen_samples=[32.0],
+    def workload(n: int) -> specs.Workload:
+        return specs.Workload(prompts_per_step=n, samples_per_prompt=1, prompt_len=32, gen_samples=[32.0],
                            precision="fp32", ppo_minibatches=2, microbatch_tokens=512, train_passes=4.0)  # fmt: skip
 
     def priced(out: dict, n: int, dp: int) -> float:
-        prof = cm.profile_from_dict({**out, "gpu_type": "cpu"}, "synthetic")
-        eff = cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, "synthetic")
-        return cm.train_step_seconds(TINY, [stage], dp, 1, {"cpu": CPU}, workload(n), eff)
+        prof = profile_fit.profile_from_dict({**out, "gpu_type": "cpu"}, "synthetic")
+        eff = profile_fit.apply_profile(
+            specs.Efficiency(), specs.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, "synthetic"
+        )
+        return cost_model.train_step_seconds(TINY, [stage], dp, 1, {"cpu": CPU}, workload(n), eff)
 
     def with_dp_steps(extra_s: list[float]) -> dict:
         out = tp_profile_points([])
         del out["train_tp"]
-        cm.finish_profile(out, CPU, log=lambda *_: None)
+        profile_fit.finish_profile(out, CPU, log=lambda *_: None)
         points = [{"trajectories": n, "prompt": 32, "response": 32, "tokens": 64 * n, "flops": 0.0,
                    "step_s": priced(out, n, 2) + e} for n, e in zip((16, 64), extra_s)]  # fmt: skip
         out["train_dp"] = {"dp": 2, "tp": 1, "passes": 4.0, "micro_batch_tokens": 512, "optimizer_steps": 2,
                            "intra_gbps": CPU.intra_gbps, "model_config": TINY.to_config(), "points": points}  # fmt: skip
-        cm.finish_profile(out, CPU, log=lambda *_: None)
+        profile_fit.finish_profile(out, CPU, log=lambda *_: None)
         return out
 
     out = with_dp_steps([0.03, 0.05])  # each DP step 30 / 50 ms above what the model charges without the term
@@ -201,20 +205,20 @@ def test_dp_steps_give_dp_overhead_and_the_cost_model_gives_the_steps_back():
     assert with_dp_steps([-0.01, -0.02])["efficiency"]["dp_overhead_s"] == 0.0  # faster than the model: nothing
     without = tp_profile_points([])
     del without["train_tp"]
-    cm.finish_profile(without, CPU, log=lambda *_: None)
+    profile_fit.finish_profile(without, CPU, log=lambda *_: None)
     assert "dp_overhead_s" not in without["efficiency"]
 
 
 def test_profile_yaml_round_trip(tmp_path):
     doc = profile_doc()
-    prof = cm.load_profile(write(tmp_path, doc))
-    assert prof == cm.DeviceProfile("cpu", cm.TypeEfficiency(0.4, 0.6, 0.7, 0.002), 0.02, 0.005)
-    cluster = cm.load_cluster("exp/clusters/cpu.yaml")
-    eff = cm.apply_profile(cm.Efficiency(), cluster, prof, "p.yaml")
+    prof = profile_fit.load_profile(write(tmp_path, doc))
+    assert prof == profile_fit.DeviceProfile("cpu", specs.TypeEfficiency(0.4, 0.6, 0.7, 0.002), 0.02, 0.005)
+    cluster = specs.load_cluster("exp/clusters/cpu.yaml")
+    eff = profile_fit.apply_profile(specs.Efficiency(), cluster, prof, "p.yaml")
     assert eff.of("cpu") == prof.efficiency  # same nominal numbers: taken as they are
     # other nominal numbers than the cluster's: rescaled so that the achieved rates stay the measured ones
-    other = cm.DeviceProfile("cpu", prof.efficiency, 0.1, 0.01)
-    te = cm.apply_profile(cm.Efficiency(), cluster, other, "p.yaml").of("cpu")
+    other = profile_fit.DeviceProfile("cpu", prof.efficiency, 0.1, 0.01)
+    te = profile_fit.apply_profile(specs.Efficiency(), cluster, other, "p.yaml").of("cpu")
     assert te.mfu_infer * 0.02 == pytest.approx(0.6 * 0.1)
     assert te.mfu_train * 0.02 == pytest.approx(0.4 * 0.1)
     assert te.hbm_eff * 0.005 == pytest.approx(0.7 * 0.01)
@@ -267,7 +271,7 @@ def tiny_plan(tmp_path: Path, overhead: float | None) -> dict:
     args += ["--quiet", "--out", str(tmp_path / f"plan_{overhead}.json"), "--train-layout", "2,1,1"]
     if overhead is not None:
         args += ["--profile", str(write(tmp_path, profile_doc(decode_overhead_s=overhead), f"p_{overhead}.yaml"))]
-    assert sc.main(args) == 0
+    assert schedule.main(args) == 0
     return json.loads((tmp_path / f"plan_{overhead}.json").read_text())
 
 
@@ -279,28 +283,28 @@ def test_planning_with_a_profile_uses_it(tmp_path):
     assert base["inputs"]["efficiency"]["per_type"]["cpu"]["hbm_eff"] == 0.7
     assert "cpu" not in plain["inputs"]["efficiency"]["per_type"]
     for pj, overhead in ((base, 0.0), (slow, 0.01)):
-        p, _ = sc.planner_from_plan(pj)
+        p, _ = schedule.planner_from_plan(pj)
         te = p.eff.of("cpu")
         assert te.decode_overhead_s == overhead
         wl, model, gpu = p.wl, p.model, p.cluster.gpu("cpu")
         # cpu.yaml's 4 processes share 2 cores (host_cores) by how many are busy at once in the step priced
         busy = {int(m): b for m, b in pj["predicted"]["busy_devices"].items()}
-        speed = p.cluster.with_busy_devices(busy).decode_speed("cpu")  # a replica's, in the rollout role
+        speed = p.cluster.speeds.with_busy_devices(busy).decode_speed("cpu")  # a replica's, in the rollout role
         assert 0.5 <= speed < 1.0
         tokens_per_s = 0.0
         for rep in pj["rollout"]["replicas"]:
-            roofline = cm.decode_round_s(
-                model, gpu, cm.TypeEfficiency(te.mfu_train, te.mfu_infer, te.hbm_eff), rep["tp"], 1, rep["batch"],
+            roofline = cost_model.decode_round_s(
+                model, gpu, specs.TypeEfficiency(te.mfu_train, te.mfu_infer, te.hbm_eff), rep["tp"], 1, rep["batch"],
                 wl.decode_context, wl.bytes, 1.0, speed,
             )  # fmt: skip
             assert rep["round_s"] == pytest.approx(roofline + overhead / speed, rel=1e-12)
             tokens_per_s += rep["batch"] / rep["round_s"]
         # prefill: each group's prompt once, and the running sequences' K/V recomputed as far as the rollout
-        # overruns the train step (cm.rollout_seconds), on the replicas' compute
+        # overruns the train step (cost_model.rollout_seconds), on the replicas' compute
         per_token = 2 * model.params / (sum(r["tp"] for r in pj["rollout"]["replicas"]) * gpu.tflops * 1e12)
         per_token /= te.mfu_infer * speed
-        base_s = wl.batch * wl.gen_mean / tokens_per_s + cm.prompt_prefill_tokens(wl) * per_token
-        full = cm.recompute_tokens(wl, sum(r["batch"] for r in pj["rollout"]["replicas"])) * per_token
+        base_s = wl.batch * wl.gen_mean / tokens_per_s + cost_model.prompt_prefill_tokens(wl) * per_token
+        full = cost_model.recompute_tokens(wl, sum(r["batch"] for r in pj["rollout"]["replicas"])) * per_token
         overrun = min(1.0, max(0.0, (base_s + full - pj["predicted"]["train_s"]) / full))
         assert pj["predicted"]["rollout_s"] == pytest.approx(base_s + full * overrun)
     assert slow["predicted"]["rollout_s"] > base["predicted"]["rollout_s"]
@@ -329,7 +333,7 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     for what in ("gemm:", "copy:", "decode:", "prefill:", "train:", "mfu_train", "hbm_eff", "decode_overhead_s"):
         assert what in r.stdout, r.stdout
     doc = yaml.safe_load(out.read_text())
-    prof = cm.load_profile(out)
+    prof = profile_fit.load_profile(out)
     assert prof.gpu_type == "cpu" and doc["device"] and doc["dtype"] == "float32"
     assert prof.tflops == doc["measured"]["gemm_tflops"] and prof.hbm_tbps == doc["measured"]["copy_tbps"]
     assert doc["points"]["decode"] and doc["points"]["prefill"] and doc["points"]["train"]
@@ -345,16 +349,18 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
 
 
 def test_the_parallel_steps_keep_each_points_faster_pass():
-    import device_profile as dp
+    from planner import device_profile
 
     first = {"dp": 2, "tp": 1, "points": [{"tokens": 10, "step_s": 1.0}, {"tokens": 40, "step_s": 3.0}]}
     second = {"dp": 2, "tp": 1, "points": [{"tokens": 10, "step_s": 1.4}, {"tokens": 40, "step_s": 2.5}]}
-    out = dp._faster_pass([first, second])
+    out = device_profile._faster_pass([first, second])
     assert out["dp"] == 2 and [p["tokens"] for p in out["points"]] == [10, 40]
     assert [p["step_s"] for p in out["points"]] == [1.0, 2.5]
     assert [p["pass_s"] for p in out["points"]] == [[1.0, 1.4], [3.0, 2.5]]
     assert first["points"][1]["step_s"] == 3.0  # the passes themselves are kept as measured
-    assert dp._faster_pass([first, {}]) == {} and dp._faster_pass([]) == {}  # a pass that measured nothing
+    assert (
+        device_profile._faster_pass([first, {}]) == {} and device_profile._faster_pass([]) == {}
+    )  # a pass that measured nothing
 
 
 def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
@@ -377,19 +383,21 @@ def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tm
     assert list(beside["points"]) == ["h800ish", "h20ish"] and beside["fraction"] == 0.7
     for p in beside["points"].values():
         assert p["runs"] >= 3 and p["wall_s"] > p["cpu_s"] > 0  # padded: the wall is the CPU time / 0.7 and more
-    gpu = cm.GPUType("h800ish", 2, doc["nominal"]["tflops"], doc["nominal"]["hbm_tbps"], 1.0, 2.0)
-    te = cm.TypeEfficiency(**{k: v for k, v in doc["efficiency"].items() if k != "decode_beside"})
-    assert doc["efficiency"]["decode_beside"] == pytest.approx(cm.decode_beside_fit(beside, gpu, te))
+    gpu = specs.GPUType("h800ish", 2, doc["nominal"]["tflops"], doc["nominal"]["hbm_tbps"], 1.0, 2.0)
+    te = specs.TypeEfficiency(**{k: v for k, v in doc["efficiency"].items() if k != "decode_beside"})
+    assert doc["efficiency"]["decode_beside"] == pytest.approx(profile_fit.decode_beside_fit(beside, gpu, te))
     assert doc["throttle_slept_s"]["bandwidth"] > 0 and doc["throttle_slept_s"]["compute"] > 0
     assert "sync" not in doc  # the link is padded by its wall time, exactly: not measured under the throttle
-    prof = cm.load_profile(out)
+    prof = profile_fit.load_profile(out)
     assert prof.emulated and prof.gpu_type == "h800ish"
     assert set(prof.efficiency.decode_beside) == {"h800ish", "h20ish"}
-    hetero = cm.load_cluster(cluster)
-    eff = cm.apply_profile(cm.Efficiency(), hetero, prof, str(out))
+    hetero = specs.load_cluster(cluster)
+    eff = profile_fit.apply_profile(specs.Efficiency(), hetero, prof, str(out))
     assert set(eff.per_type) == {"h800ish"}  # not the other emulated type, as a machine profile would
-    with pytest.raises(cm.SpecError, match="applies to that type only"):
-        cm.apply_profile(cm.Efficiency(), cm.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, str(out))
+    with pytest.raises(specs.SpecError, match="applies to that type only"):
+        profile_fit.apply_profile(
+            specs.Efficiency(), specs.load_cluster(ROOT / "exp/clusters/cpu.yaml"), prof, str(out)
+        )
 
 
 def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error():
@@ -397,9 +405,11 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     peer that cannot build its model stops the start at once with one error naming it, and no peer is left."""
     import time
 
-    import device_profile as dp
+    from planner import device_profile
 
-    load = dp._co_load(3, dp.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64))
+    load = device_profile._co_load(
+        3, device_profile.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64)
+    )
     time.sleep(1.0)
     procs = list(load.procs)
     steps = load.close()
@@ -407,7 +417,9 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert all(not p.is_alive() for p in procs)
     # three train peers: a DP pair in lockstep (both leave at the same step) and one alone, beside a decoder
     logged = []
-    load = dp._co_load(4, dp.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64))
+    load = device_profile._co_load(
+        4, device_profile.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64)
+    )
     time.sleep(2.0)
     tmp = load.tmp
     steps = load.close()
@@ -415,13 +427,13 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert "3 training in DP pairs, 1 decoding 2 rows" in logged[-1] and not os.path.exists(tmp)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
-        dp._co_load(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
+        device_profile._co_load(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
     assert time.monotonic() - t0 < 120  # not the start timeout's 300 s
 
 
 def test_profile_rejects_a_negative_co_load_and_more_trainers_than_peers():
-    assert sc.main(["profile", "--co-load", "-1"]) != 0
-    assert sc.main(["profile", "--co-load", "1", "--co-load-trainers", "2"]) != 0
+    assert schedule.main(["profile", "--co-load", "-1"]) != 0
+    assert schedule.main(["profile", "--co-load", "1", "--co-load-trainers", "2"]) != 0
 
 
 # ----------------------------------------------------------------------------- the paper's H800 / H20 profiles
@@ -438,22 +450,22 @@ def test_paper_profiles_load_pass_the_checks():
     peaks; the assumed set shares its fractions between the types; the Table-1 set has the assumed set's nominal,
     hardware and links, its own fractions per type, and the assumed set's (unfitted) decode overhead."""
     for paths in (PAPER_PROFILES, ASSUMED_PROFILES):
-        profs = {t: cm.load_profile(p) for t, p in paths.items()}
+        profs = {t: profile_fit.load_profile(p) for t, p in paths.items()}
         assert {t: (p.gpu_type, p.tflops, p.hbm_tbps) for t, p in profs.items()} == {
             "H800": ("H800", 756.0, 2.0),
             "H20": ("H20", 148.0, 4.0),
         }
         for p in profs.values():
-            for key in cm.PROFILE_FRACTIONS:
+            for key in profile_fit.PROFILE_FRACTIONS:
                 assert 0 < getattr(p.efficiency, key) <= 1  # not merely <= the check's 1.2 slack
-        cluster = cm.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
-        eff = cm.Efficiency()
+        cluster = specs.load_cluster(ROOT / "exp/clusters/hetero_32.yaml")
+        eff = specs.Efficiency()
         for t, p in paths.items():
-            eff = cm.apply_profile(eff, cluster, profs[t], str(p))
+            eff = profile_fit.apply_profile(eff, cluster, profs[t], str(p))
             assert eff.of(t) == profs[t].efficiency  # the shipped cluster has the same nominal numbers
-    assumed = {t: cm.load_profile(p) for t, p in ASSUMED_PROFILES.items()}
+    assumed = {t: profile_fit.load_profile(p) for t, p in ASSUMED_PROFILES.items()}
     assert assumed["H800"].efficiency == assumed["H20"].efficiency
-    table1 = {t: cm.load_profile(p) for t, p in PAPER_PROFILES.items()}
+    table1 = {t: profile_fit.load_profile(p) for t, p in PAPER_PROFILES.items()}
     assert table1["H800"].efficiency != table1["H20"].efficiency
     for t in ("H800", "H20"):
         a, b = (yaml.safe_load(paths[t].read_text()) for paths in (ASSUMED_PROFILES, PAPER_PROFILES))
@@ -486,7 +498,7 @@ def test_table1_derivation_reproduces_table1_per_gpu(tmp_path, monkeypatch):
     for t, fit in fits.items():
         price = base[t].gpu.dollars_per_hour
         for size in rp.MODELS:
-            model = cm.load_model_spec(rp.MODELS[size])
+            model = specs.load_model_spec(rp.MODELS[size])
             cost = rp.TABLE1[size]
             i = ("H800", "H20").index(t)
             table1 = (price / 3600 / (cost[0][i] / 1000), price / 3600 / (cost[1][i] / 1000))
@@ -498,7 +510,7 @@ def test_table1_derivation_reproduces_table1_per_gpu(tmp_path, monkeypatch):
             for phase in (0, 1):
                 assert abs(ours[phase] / table1[phase] - 1) < 0.5, (t, size, phase, ours, table1)
         got, want = shipped[t].profile.efficiency, fit.efficiency
-        for key in (*cm.PROFILE_FRACTIONS, "decode_overhead_s"):
+        for key in (*profile_fit.PROFILE_FRACTIONS, "decode_overhead_s"):
             assert getattr(got, key) == pytest.approx(getattr(want, key), rel=1e-3), (t, key)  # 4 digits in the YAML
     for size in rp.MODELS:
         for phase in (0, 1):
@@ -527,19 +539,21 @@ def test_reproduce_paper_takes_its_device_constants_only_from_the_profiles(tmp_p
     paths = rp.PROFILE_SETS[profile_set]
     devices = rp.paper_devices(copy_profiles(tmp_path / "as_shipped", paths))
     c = rp.paper_cluster("hetero_32", devices)
-    assert c.gpu("H800") == cm.GPUType("H800", 80.0, 756.0, 2.0, 5.28, 200.0)
-    assert c.gpu("H20") == cm.GPUType("H20", 96.0, 148.0, 4.0, 1.85, 450.0)
+    assert c.gpu("H800") == specs.GPUType("H800", 80.0, 756.0, 2.0, 5.28, 200.0)
+    assert c.gpu("H20") == specs.GPUType("H20", 96.0, 148.0, 4.0, 1.85, 450.0)
     assert c.inter_gbps == {("H800", "H800"): 5.0, ("H20", "H20"): 5.0, ("H20", "H800"): 1.5}
     assert rp.paper_efficiency(c, devices).of("H20") == devices["H20"].profile.efficiency
 
     # a fixed split (the H800 machine trains, the three H20 machines roll out) priced with profile values changed
-    def predict(tag: str, **changes) -> sc.Evaluation:
+    def predict(tag: str, **changes) -> search.Evaluation:
         devs = rp.paper_devices(copy_profiles(tmp_path / tag, paths, **changes))
         cl = rp.paper_cluster("hetero_32", devs)
-        model = cm.load_model_spec("deepseek-r1-distill-qwen-1.5b")
-        return sc.Planner(cl, model, rp.workload(), rp.paper_efficiency(cl, devs)).evaluate((8, 0, 0, 0))
+        model = specs.load_model_spec("deepseek-r1-distill-qwen-1.5b")
+        return search.Planner(cl, model, rp.workload(), rp.paper_efficiency(cl, devs)).evaluate((8, 0, 0, 0))
 
-    half = {t: {k: getattr(d.profile.efficiency, k) / 2 for k in cm.PROFILE_FRACTIONS} for t, d in devices.items()}
+    half = {
+        t: {k: getattr(d.profile.efficiency, k) / 2 for k in profile_fit.PROFILE_FRACTIONS} for t, d in devices.items()
+    }
     base = predict("base")
     slow_h20_hbm = predict("h20_hbm", H20={"efficiency": {"hbm_eff": half["H20"]["hbm_eff"]}})
     slow_h800_train = predict("h800_mfu", H800={"efficiency": {"mfu_train": half["H800"]["mfu_train"]}})
@@ -551,7 +565,7 @@ def test_reproduce_paper_takes_its_device_constants_only_from_the_profiles(tmp_p
     assert base.tokens_per_s > 0
     assert slow_h20_hbm.rollout_s > base.rollout_s and slow_h20_hbm.train_s == base.train_s
     # the trainer's constant leaves the replicas' rates alone; only the KV recompute the rollout side still has to
-    # do when the slower trainer's update comes can change (cm.rollout_seconds), and never up
+    # do when the slower trainer's update comes can change (cost_model.rollout_seconds), and never up
     assert slow_h800_train.train_s > 1.5 * base.train_s and slow_h800_train.rollout_s <= base.rollout_s
     assert (slow_h800_train.rollout.tokens_per_s, slow_h800_train.rollout.prefill_tflops) == (
         base.rollout.tokens_per_s,
@@ -581,6 +595,6 @@ def test_reproduce_paper_takes_its_device_constants_only_from_the_profiles(tmp_p
 )
 @pytest.mark.parametrize("profile_set", ["table1", "assumed"])
 def test_a_bad_paper_profile_is_one_clear_error(tmp_path, change, needle, profile_set):
-    with pytest.raises(cm.SpecError, match=needle):
+    with pytest.raises(specs.SpecError, match=needle):
         devices = rp.paper_devices(copy_profiles(tmp_path / "bad", rp.PROFILE_SETS[profile_set], H20=change))
         rp.paper_cluster("hetero_32", devices)

@@ -1,20 +1,38 @@
 """Measuring a device for the planner (`schedule.py profile`): the runtime's own code -- GEMMs at training shapes,
-large copies, rollout.Generator decode and prefill steps, parallel.trainer.Trainer steps and, on CPU, a weight-sync
+large copies, generator.Generator decode and prefill steps, parallel.trainer.Trainer steps and, on CPU, a weight-sync
 bucket hop between two processes -- timed on this machine's device (CUDA if there is one, else one CPU core), then
-fitted by cost_model.finish_profile into the cost model's constants (mfu_train, mfu_infer, hbm_eff,
+fitted by profile_fit.finish_profile into the cost model's constants (mfu_train, mfu_infer, hbm_eff,
 decode_overhead_s, train_overhead_s, mfu_decode; link_gbps and sync_latency_s). Apart from the planner's arithmetic,
 which stays in cost_model (no torch), this is the one place the planner side runs the runtime."""
 
 from __future__ import annotations
 
+import platform
+import queue
+import shutil
+import tempfile
+import time
 from dataclasses import replace
 from datetime import timedelta
+from types import SimpleNamespace
 
-import cost_model as cm
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from config import TrainConfig
+from cpu_bench.emulation import Throttle
+from generator import Generator, SamplingParams
+from parallel.groups import build_groups
+from parallel.packing import dynamic_microbatches
+from parallel.rankmap import make_train_plan
+from parallel.trainer import Trainer
+from parallel.weight_sync import checksum
+from planner import cost_model, profile_fit, specs
 
 
 def _device_name(torch, device) -> str:
-    import platform
 
     if device.type == "cuda":
         return torch.cuda.get_device_name(device)
@@ -61,7 +79,7 @@ PROFILE_SHAPES = {
         # overhead line cannot hold: such points pulled its intercept below 0 in one profile of three
         "decode": [(1, 64), (1, 192), (1, 320)],
         # a few rows (a small replica batch, exp/hetero_cpu.py's 8) and the CPU demo's max_batch_size at short
-        # contexts: they tell the decode roof's two forms apart (cost_model.finish_profile)
+        # contexts: they tell the decode roof's two forms apart (profile_fit.finish_profile)
         "decode_compute": [(8, 64), (64, 16), (64, 32)],
         "compute_models": 2,
         "decode_steps": 16,
@@ -129,8 +147,6 @@ PROFILE_SHAPES = {
 def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
     """A random HF Llama of these dimensions (seeded: every process that builds it holds the same weights) and its
     cost-model spec."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(
         vocab_size=vocab,
@@ -143,11 +159,11 @@ def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
         tie_word_embeddings=False,
     )
     torch.manual_seed(0)
-    return LlamaForCausalLM(cfg), cm.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
+    return LlamaForCausalLM(cfg), specs.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
 
 
 def profile_device(
-    gpu: cm.GPUType,
+    gpu: specs.GPUType,
     seconds: float = 120.0,
     log=print,
     nominal: str = "type",
@@ -162,8 +178,8 @@ def profile_device(
       gemm      dense matmuls at training micro-batch shapes in the compute dtype (bf16 on a GPU, fp32 on CPU)
       copy      large device-to-device copies (bytes read + written); gemm and copy are the peaks, measured first and
                 last (the faster pass counts)
-      decode    rollout.Generator steps over random HF Llamas at a few batch sizes and contexts; fitted by least
-                squares to step = bytes / bandwidth + overhead, bytes = cm.decode_bytes_per_step (weights + the KV read)
+      decode    generator.Generator steps over random HF Llamas at a few batch sizes and contexts; fitted by least
+                squares to step = bytes / bandwidth + overhead, bytes = cost_model.decode_bytes_per_step (weights + the KV read)
       prefill   Generator prefill of fresh prompts: step = FLOPs / rate + overhead
       decode_compute  Generator steps of a full batch at a short context (CPU): compute-bound by the raw rates;
                 step = FLOPs / rate + the decode overhead (mfu_decode); and of a few rows: with them the fit also
@@ -186,7 +202,7 @@ def profile_device(
                 are the relay's, off the clock). hop = bytes / bandwidth (sync.link_gbps); a tiny hop's seconds are
                 the fixed cost (sync.sync_latency_s)
     `seconds` is the budget of the timed loops (each point runs at least twice); model builds add a little. A GPU
-    is timed by the wall clock, a CPU by the process's CPU seconds (see `clock` below).
+    is timed by the wall clock, a CPU by the process's CPU seconds (_Bench.clock).
     nominal "type": the fractions are of gpu's tflops / hbm_tbps; "measured": of this device's own GEMM FLOP/s and
     copy bandwidth (for a device without a trusted spec-sheet peak, e.g. a CPU core; the planner rescales them to
     the cluster's numbers).
@@ -196,11 +212,11 @@ def profile_device(
     cost the next step CPU time (exp/bench_throttle.py) -- and the planner applies the type's fractions on top.
     A training step's work is padded by its CPU time in the runtime (after the step, or before each wait of a
     pipeline stage on its neighbours) and the link is padded by its wall time, exactly: neither is throttled here, the link and the TP and DP steps are not measured, and a planner given this
-    machine's profile first keeps its training constants for every type (cost_model.apply_profile).
+    machine's profile first keeps its training constants for every type (profile_fit.apply_profile).
     `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
     are busy beside each rank: they share its cores' caches and memory bandwidth, and a memory-bound step's CPU
-    time grows with them (docs/planner.md, "Heterogeneity on one machine"). `co_load_trainers` of the peers are train ranks
+    time grows with them (exp/PLANNER.md, "Where the error is"). `co_load_trainers` of the peers are train ranks
     instead (Trainer.train_step of the CPU runs' shape, each step one piece padded by the throttle's compute
     fraction, as a train rank's is): a run's neighbours are trainers as well as replicas, and a trainer's GEMMs and
     optimizer stream other memory than a decode step. The profile records them (`co_load`).
@@ -208,203 +224,57 @@ def profile_device(
     step (the co-load peers' shape) again beside the same co-load with its trainers under each type's throttle in
     turn, its wall and CPU seconds per step (`decode_beside`): a plan puts a rollout rank beside trainers of any type,
     and a faster type's trainers keep more of the shared cores busy -- the step costs more CPU time and waits for a
-    core its padding does not absorb (exp/bench_cotenancy.py). cost_model.finish_profile makes them
+    core its padding does not absorb (exp/bench_cotenancy.py). profile_fit.finish_profile makes them
     TypeEfficiency.decode_beside."""
-    import time
-
-    import torch
-
-    from generator import Generator, SamplingParams
 
     start = time.perf_counter()
-    cuda = torch.cuda.is_available()
-    if co_load < 0 or (co_load and cuda):
-        raise cm.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
-    if not 0 <= co_load_trainers <= co_load:
-        raise cm.SpecError(f"co_load_trainers {co_load_trainers}: give 0 to co_load ({co_load}) of the peers")
-    if beside and (throttle is None or not co_load_trainers):
-        raise cm.SpecError("beside: an emulated type's profile (a throttle) with co-load trainers to put beside it")
-    device = torch.device("cuda" if cuda else "cpu")
-    if not cuda:
-        torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
-    dtype = torch.bfloat16 if cuda else torch.float32  # the runtime's dtype "auto"
-    nbytes = 2 if cuda else 4
-    shapes = PROFILE_SHAPES["cuda" if cuda else "cpu"]
-    if seconds < 30:  # a smoke run: smaller models, fewer points
-        shapes = {**shapes, **shapes["smoke"]}
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
-    # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a shared,
-    # loaded machine the wall clock of a millisecond step measures the other processes' time slices, not the core
-    clock = time.perf_counter if cuda else time.process_time
-    share = {"gemm": 0.07, "copy": 0.06, "decode": 0.4, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "train_dp": 0.05,
-             "link": 0.04, "beside": 0.5}  # fmt: skip
-
-    def timed(fn, budget_s: float) -> float:
-        """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
-        fn may return its own seconds (a float); otherwise the call is timed here, the device synchronised."""
-        fn()
-        sync()
-        times: list[float] = []
-        until = time.perf_counter() + budget_s
-        while len(times) < 2 or (time.perf_counter() < until and len(times) < 50):
-            t0 = clock()
-            t = fn()
-            sync()
-            times.append(t if isinstance(t, float) else clock() - t0)
-        return _median(times)
-
-    out: dict = {"device": _device_name(torch, device), "dtype": str(dtype).replace("torch.", "")}
-
-    def measure_peaks(budget: float) -> tuple[list[float], float]:
-        """(a) GEMM FLOP/s of each shape and (b) copy bandwidth (read + write), each point's median over `budget`."""
-        gemm = []
-        for m, k, n in shapes["gemm"]:
-            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
-            t = timed(lambda a=a, b=b: a @ b, seconds * share["gemm"] * budget / len(shapes["gemm"]))
-            gemm.append(2 * m * k * n / t / 1e12)
-        src = torch.ones(shapes["copy_bytes"] // nbytes, device=device, dtype=dtype)
-        dst = torch.empty_like(src)
-        t = timed(lambda dst=dst, src=src: dst.copy_(src), seconds * share["copy"] * budget)
-        return gemm, 2 * src.numel() * nbytes / t / 1e12
-
+    bench = _Bench.for_this_device(seconds, throttle)
+    _check_co_load(bench.cuda, co_load, co_load_trainers, throttle, beside)
+    shapes = bench.shapes
+    out: dict = {"device": _device_name(torch, bench.device), "dtype": str(bench.dtype).replace("torch.", "")}
     # The peaks are measured twice, first and last, and the faster pass counts: the fractions are of them, and a
     # neighbour that slowed a short pass once would otherwise read as an implausible >100% efficiency of every step
-    first_gemm, first_copy = measure_peaks(0.5)
+    first_gemm, first_copy = bench.peaks(0.5)
     log(
         f"gemm:    {max(first_gemm) * 1e3:9.1f} GFLOP/s (best of {[round(g * 1e3, 1) for g in first_gemm]}; again last)"
     )
     log(f"copy:    {first_copy * 1e3:9.1f} GB/s (read + write; again last)")
-
-    rng = torch.Generator().manual_seed(0)
-    next_id = [0]
-
-    def add(gen, vocab: int, count: int, length: int, new_tokens: int) -> None:
-        for p in torch.randint(0, vocab, (count, length), generator=rng).tolist():
-            next_id[0] += 1
-            gen.add_request(next_id[0], p, SamplingParams(max_new_tokens=new_tokens, seed=next_id[0]))
-
-    step = (lambda gen: gen.step()) if throttle is None else throttle.generator_step  # the rank's own padding
-
-    def drain(gen) -> None:
-        while gen.num_unfinished():
-            step(gen)
-
     # (e') train points again, tensor- and data-parallel over two processes of this machine (CPU: one GPU has no
-    # second device; a type profile's training is the machine's, cost_model.apply_profile). Both ranks keep both of
+    # second device; a type profile's training is the machine's, profile_fit.apply_profile). Both ranks keep both of
     # the host's cores busy, so another tenant's burst shows in them more than in any one-process point: they run in
     # two passes, here and after the training points, and each point keeps the faster pass (as the peaks do)
     train_dims = shapes["models"][shapes.get("train_model", shapes["work_model"])]
     parallel: dict[str, list[dict]] = {}
-
-    def parallel_pass() -> None:
-        for kind, dp, tp in (("train_tp", 1, TRAIN_TP), ("train_dp", TRAIN_DP, 1)):
-            if not cuda and throttle is None and shapes.get(kind):
-                points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes[kind])]
-                parallel.setdefault(kind, []).append(
-                    _profile_train_parallel(
-                        train_dims, points, shapes["train_mb"], gpu.intra_gbps, seconds * share[kind] / 2, dp, tp
-                    )
-                )
-
-    parallel_pass()
-    # (c) decode and (d) prefill, through rollout.Generator (the rollout rank's own decode loop)
-    models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
-    compute_pts, compute_models = shapes.get("decode_compute", []), shapes.get("compute_models", 0)
-    steps = shapes["decode_steps"]
-    decode, prefill = [], []
-    n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
-    peers = (
-        _co_load(
-            co_load,
-            models[shapes["co_load_model"]],
-            shapes["co_load_batch"],
-            throttle,
-            log,
-            co_load_trainers,
-            (shapes["co_load_train"], shapes["train_mb"]),
-        )
-        if co_load
-        else None
-    )
-    try:
-        for mi, dims in enumerate(models):
-            hf, spec = _random_llama(*dims)
-            hf = hf.to(device=device, dtype=dtype)
-            every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
-            gen = Generator(
-                hf,
-                max_batch_size=max(b for b, _ in every),
-                max_seq_len=max(c for _, c in every) + steps + 8,
-            )
-
-            def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
-                add(gen, spec.vocab, b, ctx, steps + 3)
-                step(gen)  # prefill and the first token
-                sync()
-                t0 = clock()
-                for _ in range(steps):
-                    step(gen)
-                sync()
-                t = (clock() - t0) / steps
-                drain(gen)
-                return t
-
-            def run_prefill(b: int, length: int, gen=gen, spec=spec) -> None:
-                add(gen, spec.vocab, b, length, 1)
-                drain(gen)
-
-            for b, ctx in decode_pts + (compute_pts if mi < compute_models else []):
-                t = timed(lambda b=b, ctx=ctx: run_decode(b, ctx), seconds * share["decode"] / n_decode)
-                context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
-                decode.append(
-                    {
-                        "model": spec.name,
-                        "params": spec.params,
-                        "batch": b,
-                        "context": context,
-                        "bytes": cm.decode_bytes_per_step(spec, b, context, nbytes),
-                        "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
-                        "step_s": t,
-                    }
-                )
-            if mi == shapes["work_model"]:
-                for b, length in prefill_pts:
-                    t = timed(
-                        lambda b=b, length=length: run_prefill(b, length), seconds * share["prefill"] / len(prefill_pts)
-                    )
-                    flops = b * (
-                        length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params
-                    )
-                    prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
-            del gen, hf
-    finally:
-        peer_steps = peers.close() if peers is not None else []
+    bench.parallel_pass(parallel, train_dims, gpu.intra_gbps)
+    # (c) decode and (d) prefill, through generator.Generator (the rollout rank's own decode loop)
+    decode, prefill, peer_steps = bench.generator_steps(co_load, co_load_trainers, log)
     if co_load:
         batch, prompt, response = shapes["co_load_batch"]
         out["co_load"] = {
             "peers": co_load,
             "trainers": co_load_trainers,
             "train_batch": list(shapes["co_load_train"]),
-            "model": list(models[shapes["co_load_model"]]),
+            "model": list(shapes["models"][shapes["co_load_model"]]),
             **{"batch": batch, "prompt": prompt, "response": response},
             "peer_steps": peer_steps,  # Generator steps each peer made while the points were measured
         }
         log(f"co-load: the peers made {peer_steps} Generator steps meanwhile")
     if beside:
         out["decode_beside"] = _decode_beside(
-            beside, throttle, co_load, co_load_trainers, shapes, steps, seconds * share["beside"], add, step, drain, log
-        )
+            beside, throttle, co_load, co_load_trainers, shapes, shapes["decode_steps"],
+            seconds * SHARE["beside"], bench.requests, log,
+        )  # fmt: skip
     # (e) a training step of parallel.trainer.Trainer on one rank
     train = _profile_train(
         _random_llama(*train_dims),
         shapes["train"] + shapes.get("train_split", []),
         shapes["train_mb"],
-        device,
-        dtype,
-        timed,
-        seconds * share["train"],
+        bench.device,
+        bench.dtype,
+        bench.timed,
+        seconds * SHARE["train"],
     )
-    last_gemm, last_copy = measure_peaks(0.5)
+    last_gemm, last_copy = bench.peaks(0.5)
     gemm = [{"shape": list(shape), "tflops": max(a, b)} for shape, a, b in zip(shapes["gemm"], first_gemm, last_gemm)]
     gemm_tflops, copy_tbps = max(g["tflops"] for g in gemm), max(first_copy, last_copy)
     log(
@@ -412,16 +282,9 @@ def profile_device(
         f"the last: {max(first_gemm) * 1e3:.1f} / {max(last_gemm) * 1e3:.1f} GFLOP/s, {first_copy * 1e3:.1f} / "
         f"{last_copy * 1e3:.1f} GB/s)"
     )
-    out.update(
-        gemm=gemm,
-        gemm_tflops=gemm_tflops,
-        copy_tbps=copy_tbps,
-        decode=decode,
-        prefill=prefill,
-        train=train,
-    )
+    out.update(gemm=gemm, gemm_tflops=gemm_tflops, copy_tbps=copy_tbps, decode=decode, prefill=prefill, train=train)
     # (e') the second pass of the TP and DP steps (the first ran before the decode points), the faster kept
-    parallel_pass()
+    bench.parallel_pass(parallel, train_dims, gpu.intra_gbps)
     for kind, passes in parallel.items():
         out[kind] = _faster_pass(passes)
         if out[kind]:
@@ -431,8 +294,8 @@ def profile_device(
             )
             log(f"train:   {kind[-2:]} {max(out[kind]['dp'], out[kind]['tp'])} steps of {steps}")
     # (f) the weight-sync link between two processes of this machine
-    if not cuda and shapes.get("link_bytes") and throttle is None:
-        out["link"] = _profile_link(shapes["link_bytes"], seconds * share["link"])
+    if not bench.cuda and shapes.get("link_bytes") and throttle is None:
+        out["link"] = _profile_link(shapes["link_bytes"], seconds * SHARE["link"])
     if out.get("link"):
         log(
             f"link:    {len(out['link']['points'])} bucket hops of {shapes['link_bytes'][0] >> 20}-"
@@ -440,7 +303,182 @@ def profile_device(
         )
     if nominal == "measured":
         gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
-    return cm.finish_profile(out, gpu, log, time.perf_counter() - start)
+    return profile_fit.finish_profile(out, gpu, log, time.perf_counter() - start)
+
+
+# the share of profile_device's `seconds` each kind of point gets
+SHARE = {"gemm": 0.07, "copy": 0.06, "decode": 0.4, "prefill": 0.13, "train": 0.2, "train_tp": 0.05, "train_dp": 0.05,
+         "link": 0.04, "beside": 0.5}  # fmt: skip
+
+
+def _check_co_load(cuda: bool, co_load: int, co_load_trainers: int, throttle, beside: dict | None) -> None:
+    if co_load < 0 or (co_load and cuda):
+        raise specs.SpecError(f"co_load {co_load}: give a number of peer processes >= 0, on a CPU profile only")
+    if not 0 <= co_load_trainers <= co_load:
+        raise specs.SpecError(f"co_load_trainers {co_load_trainers}: give 0 to co_load ({co_load}) of the peers")
+    if beside and (throttle is None or not co_load_trainers):
+        raise specs.SpecError("beside: an emulated type's profile (a throttle) with co-load trainers to put beside it")
+
+
+class _Requests:
+    """Random prompts fed to a Generator and its steps run as the profiled rank runs them: through the emulated
+    type's throttle, padded after every step, when there is one."""
+
+    def __init__(self, throttle) -> None:
+        self.rng = torch.Generator().manual_seed(0)
+        self.next_id = 0
+        self.step = (lambda gen: gen.step()) if throttle is None else throttle.generator_step  # the rank's own padding
+
+    def add(self, gen, vocab: int, count: int, length: int, new_tokens: int) -> None:
+        for p in torch.randint(0, vocab, (count, length), generator=self.rng).tolist():
+            self.next_id += 1
+            gen.add_request(self.next_id, p, SamplingParams(max_new_tokens=new_tokens, seed=self.next_id))
+
+    def drain(self, gen) -> None:
+        while gen.num_unfinished():
+            self.step(gen)
+
+
+class _Bench:
+    """This machine's device as profile_device times it: its dtype, the shapes it runs, its clock."""
+
+    def __init__(self, seconds: float, throttle) -> None:
+        self.cuda = torch.cuda.is_available()
+        self.device = torch.device("cuda" if self.cuda else "cpu")
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32  # the runtime's dtype "auto"
+        self.nbytes = 2 if self.cuda else 4
+        shapes = PROFILE_SHAPES["cuda" if self.cuda else "cpu"]
+        if seconds < 30:  # a smoke run: smaller models, fewer points
+            shapes = {**shapes, **shapes["smoke"]}
+        self.shapes, self.seconds, self.throttle = shapes, seconds, throttle
+        self.sync = torch.cuda.synchronize if self.cuda else (lambda: None)
+        # a GPU is timed by the wall clock (device synchronised); a CPU core by this process's CPU seconds: on a
+        # shared, loaded machine the wall clock of a millisecond step measures the other processes' time slices
+        self.clock = time.perf_counter if self.cuda else time.process_time
+        self.requests = _Requests(throttle)
+
+    @classmethod
+    def for_this_device(cls, seconds: float, throttle) -> _Bench:
+        if not torch.cuda.is_available():
+            torch.set_num_threads(1)  # one CPU rank is one process on one core (OMP_NUM_THREADS=1 in every CPU recipe)
+        return cls(seconds, throttle)
+
+    def timed(self, fn, budget_s: float) -> float:
+        """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs.
+        fn may return its own seconds (a float); otherwise the call is timed here, the device synchronised."""
+        fn()
+        self.sync()
+        times: list[float] = []
+        until = time.perf_counter() + budget_s
+        while len(times) < 2 or (time.perf_counter() < until and len(times) < 50):
+            t0 = self.clock()
+            t = fn()
+            self.sync()
+            times.append(t if isinstance(t, float) else self.clock() - t0)
+        return _median(times)
+
+    def peaks(self, budget: float) -> tuple[list[float], float]:
+        """(a) GEMM FLOP/s of each shape and (b) copy bandwidth (read + write), each point's median over `budget`."""
+        shapes, device, dtype, seconds = self.shapes, self.device, self.dtype, self.seconds
+        gemm = []
+        for m, k, n in shapes["gemm"]:
+            a, b = torch.randn(m, k, device=device, dtype=dtype), torch.randn(k, n, device=device, dtype=dtype)
+            t = self.timed(lambda a=a, b=b: a @ b, seconds * SHARE["gemm"] * budget / len(shapes["gemm"]))
+            gemm.append(2 * m * k * n / t / 1e12)
+        src = torch.ones(shapes["copy_bytes"] // self.nbytes, device=device, dtype=dtype)
+        dst = torch.empty_like(src)
+        t = self.timed(lambda dst=dst, src=src: dst.copy_(src), seconds * SHARE["copy"] * budget)
+        return gemm, 2 * src.numel() * self.nbytes / t / 1e12
+
+    def parallel_pass(self, parallel: dict[str, list[dict]], train_dims: tuple, intra_gbps: float) -> None:
+        """One pass of the tensor- and data-parallel train points (CPU, no throttle), appended to `parallel`."""
+        shapes = self.shapes
+        for kind, dp, tp in (("train_tp", 1, TRAIN_TP), ("train_dp", TRAIN_DP, 1)):
+            if not self.cuda and self.throttle is None and shapes.get(kind):
+                points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes[kind])]
+                parallel.setdefault(kind, []).append(
+                    _profile_train_parallel(
+                        train_dims, points, shapes["train_mb"], intra_gbps, self.seconds * SHARE[kind] / 2, dp, tp
+                    )
+                )
+
+    def generator_steps(self, co_load: int, co_load_trainers: int, log) -> tuple[list[dict], list[dict], list[int]]:
+        """(c) decode and (d) prefill points of generator.Generator over the profile's models, beside `co_load` peers:
+        (decode points, prefill points, the Generator steps each peer made meanwhile)."""
+        shapes, requests, sync, clock = self.shapes, self.requests, self.sync, self.clock
+        models, decode_pts, prefill_pts = shapes["models"], shapes["decode"], shapes["prefill"]
+        compute_pts, compute_models = shapes.get("decode_compute", []), shapes.get("compute_models", 0)
+        steps = shapes["decode_steps"]
+        decode, prefill = [], []
+        n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
+        peers = (
+            _co_load(
+                co_load,
+                models[shapes["co_load_model"]],
+                shapes["co_load_batch"],
+                self.throttle,
+                log,
+                co_load_trainers,
+                (shapes["co_load_train"], shapes["train_mb"]),
+            )
+            if co_load
+            else None
+        )
+        try:
+            for mi, dims in enumerate(models):
+                hf, spec = _random_llama(*dims)
+                hf = hf.to(device=self.device, dtype=self.dtype)
+                every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
+                gen = Generator(
+                    hf,
+                    max_batch_size=max(b for b, _ in every),
+                    max_seq_len=max(c for _, c in every) + steps + 8,
+                )
+
+                def run_decode(b: int, ctx: int, gen=gen, spec=spec) -> float:
+                    requests.add(gen, spec.vocab, b, ctx, steps + 3)
+                    requests.step(gen)  # prefill and the first token
+                    sync()
+                    t0 = clock()
+                    for _ in range(steps):
+                        requests.step(gen)
+                    sync()
+                    t = (clock() - t0) / steps
+                    requests.drain(gen)
+                    return t
+
+                def run_prefill(b: int, length: int, gen=gen, spec=spec) -> None:
+                    requests.add(gen, spec.vocab, b, length, 1)
+                    requests.drain(gen)
+
+                for b, ctx in decode_pts + (compute_pts if mi < compute_models else []):
+                    t = self.timed(lambda b=b, ctx=ctx: run_decode(b, ctx), self.seconds * SHARE["decode"] / n_decode)
+                    context = ctx + (steps + 1) / 2  # the mean K/V length the timed steps read
+                    decode.append(
+                        {
+                            "model": spec.name,
+                            "params": spec.params,
+                            "batch": b,
+                            "context": context,
+                            "bytes": cost_model.decode_bytes_per_step(spec, b, context, self.nbytes),
+                            "flops": b * (spec.layers * spec.layer_flops_per_token(context) + 2 * spec.head_params),
+                            "step_s": t,
+                        }
+                    )
+                if mi == shapes["work_model"]:
+                    for b, length in prefill_pts:
+                        t = self.timed(
+                            lambda b=b, length=length: run_prefill(b, length),
+                            self.seconds * SHARE["prefill"] / len(prefill_pts),
+                        )
+                        flops = b * (
+                            length * spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params
+                        )
+                        prefill.append({"model": spec.name, "batch": b, "prompt": length, "flops": flops, "step_s": t})
+                del gen, hf
+        finally:
+            peer_steps = peers.close() if peers is not None else []
+        return decode, prefill, peer_steps
 
 
 def _faster_pass(passes: list[dict]) -> dict:
@@ -463,21 +501,16 @@ def _decode_beside(
     shapes: dict,
     steps: int,
     budget_s: float,
-    add,
-    step,
-    drain,
+    requests: _Requests,
     log,
 ) -> dict:
     """(CPU, an emulated type) the co-load peers' decode step -- a rollout replica of the CPU runs: its model, batch
     and prompt -- timed by the wall clock and by CPU time, `steps` steps at a time through this type's throttle
-    (`step`), beside the co-load of `co_load` peers whose `trainers` train under each type's throttle in `beside` in
+    (`requests.step`), beside the co-load of `co_load` peers whose `trainers` train under each type's throttle in `beside` in
     turn (its decoding peers stay this type's), for budget_s / len(beside) each after BESIDE_WARMUP_S (long enough
     for every peer's first step; the budget several of the slowest trainers' steps, so that the decoder sees their
     bursts and their pauses alike). Returns {"model", "model_config", "batch", "context", "bytes", "fraction" (this
     type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with each point's medians per step."""
-    import time
-
-    from generator import Generator
 
     dims = shapes["models"][shapes["co_load_model"]]
     batch, prompt, _ = shapes["co_load_batch"]
@@ -494,14 +527,14 @@ def _decode_beside(
             time.sleep(BESIDE_WARMUP_S)
             until = time.perf_counter() + budget_s / len(beside)
             while len(walls) < 3 or (time.perf_counter() < until and len(walls) < 200):
-                add(gen, spec.vocab, batch, prompt, steps + 3)
-                step(gen)  # prefill and the first token: the timed steps are decode only
+                requests.add(gen, spec.vocab, batch, prompt, steps + 3)
+                requests.step(gen)  # prefill and the first token: the timed steps are decode only
                 w0, c0 = time.perf_counter(), time.process_time()
                 for _ in range(steps):
-                    step(gen)
+                    requests.step(gen)
                 walls.append((time.perf_counter() - w0) / steps)
                 cpus.append((time.process_time() - c0) / steps)
-                drain(gen)
+                requests.drain(gen)
         finally:
             load.close()
         points[name] = {"wall_s": _median(walls), "cpu_s": _median(cpus), "runs": len(walls)}
@@ -533,8 +566,6 @@ class _CoLoad:
     def close(self) -> list[int]:
         """Stop the peers; their step counts in order. A peer that died before it reported makes the co-load
         partial, and the points measured beside it wrong: that is an error naming it, not a quieter profile."""
-        import queue
-        import time
 
         self.stop.set()
         steps: dict[int, int] = {}
@@ -555,7 +586,6 @@ class _CoLoad:
         return [steps[i] for i in sorted(steps)]
 
     def kill(self) -> None:
-        import shutil
 
         for p in self.procs:
             p.kill()
@@ -572,12 +602,6 @@ def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop
     (init method, rank, world size): one rank of a DP group of train peers, which step in lockstep as a plan's DP
     trainers do (their bursts coincide at every gradient all-reduce; rank 0 says when to stop, so all leave at the
     same step); None: a gloo world of its own."""
-    import tempfile
-
-    import torch
-    import torch.distributed as dist
-
-    from cpu_bench.emulation import Throttle
 
     torch.set_num_threads(1)
     (n, prompt, response), micro_batch_tokens = train
@@ -607,9 +631,6 @@ def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, d
     """One co-load peer (a spawned process, one thread): a rollout replica's decode loop -- `shape` (batch, prompt,
     response) requests on a random Llama of `dims`, refilled whenever all have finished -- every Generator step
     through `throttle` (None: back to back), until `stop` is set; then it reports its steps on `done`."""
-    import torch
-
-    from generator import Generator, SamplingParams
 
     torch.set_num_threads(1)
     batch, prompt, response = shape
@@ -637,11 +658,6 @@ def _co_load(
     waits for a core more than beside independent trainers), the rest decoding ones (_co_load_peer, under
     `throttle`), and wait until every one works; a peer that fails to start stops the profile with one error naming
     it, the others stopped."""
-    import queue
-    import tempfile
-    import time
-
-    import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()
@@ -693,9 +709,6 @@ def _co_load(
 
 def _random_trajectories(vocab: int, n: int, prompt: int, response: int, seed: int) -> list:
     """n random trajectories of these lengths (seeded: every rank of a TP step builds the same batch)."""
-    from types import SimpleNamespace
-
-    import torch
 
     rng = torch.Generator().manual_seed(seed)
     out = []
@@ -721,12 +734,8 @@ PROFILE_MINIBATCHES = 2  # PPO minibatches of a profiled train step: the proxima
 
 def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype, dp: int = 1):
     """The Trainer a profile times: one stage of every layer over dp x tp ranks (the world), 2 PPO minibatches (so the
-    proximal log-prob recompute runs: the 4 passes cm.Workload().train_passes counts); over DP without FSDP, as the
+    proximal log-prob recompute runs: the 4 passes specs.Workload().train_passes counts); over DP without FSDP, as the
     CPU recipes train (exp/configs/cpu_demo.yaml: train.shard_state false)."""
-    from config import TrainConfig
-    from parallel.groups import build_groups
-    from parallel.rankmap import make_train_plan
-    from parallel.trainer import Trainer
 
     groups = build_groups(make_train_plan(dp, tp, 1, [(0, spec.layers)]))
     cfg = TrainConfig(
@@ -742,7 +751,6 @@ def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype,
 def _train_point(
     spec, optimizer_steps: int, n: int, prompt: int, response: int, step_s: float, micro_batch_tokens: int
 ) -> dict:
-    from parallel.packing import dynamic_microbatches
 
     length = prompt + response
     per_seq = length * (spec.layers * spec.layer_flops_per_token((length - 1) / 2) + 2 * spec.head_params)
@@ -753,7 +761,7 @@ def _train_point(
         "optimizer_steps": optimizer_steps,
         "trajectories": n,
         "tokens": n * length,
-        "flops": cm.Workload().train_passes * n * per_seq,  # forward + backward + the proximal recompute
+        "flops": specs.Workload().train_passes * n * per_seq,  # forward + backward + the proximal recompute
         "micro_batch_tokens": micro_batch_tokens,
         # micro-batches per minibatch as the Trainer packs them (its n / optimizer_steps sequences)
         "microbatches": len(dynamic_microbatches([length] * (n // optimizer_steps), micro_batch_tokens)),
@@ -764,9 +772,6 @@ def _train_point(
 def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, timed, budget_s: float) -> list[dict]:
     """Trainer.train_step on one rank (gloo world of 1, or gloo + NCCL on a GPU) over random trajectories; a point
     (trajectories, prompt, response[, micro_batch_tokens]) may pack its minibatches finer than `micro_batch_tokens`."""
-    import tempfile
-
-    import torch.distributed as dist
 
     hf, spec = hf_and_spec  # fp32 master weights; bf16 autocast on a GPU, as the runtime trains
     with tempfile.TemporaryDirectory() as tmp:
@@ -797,16 +802,12 @@ TRAIN_DP = 2  # the data-parallel degree of its DP steps
 
 def _parallel_step_loop(
     rank: int, init: str, dims: tuple, points: list, micro_batch_tokens: int, budget_s: float, dp: int, tp: int
-) -> tuple[list[float], cm.ModelSpec]:
+) -> tuple[list[float], specs.ModelSpec]:
     """Both sides of the TP or DP steps (rank 0 here, rank 1 a spawned process): the same random Llama and batches on
     each, Trainer.train_step at dp x tp; per point one warm-up, then steps until rank 0's share of the budget is spent
     (at least 3, at most 20). A step's seconds are the larger of the two ranks' CPU seconds: the ranks wait for each
     other at every all-reduce, so the slower one sets the step, and CPU time leaves out other processes' time slices,
     as the rest of a CPU profile does. Rank 0 returns the medians and the model's cost-model spec."""
-    import time
-
-    import torch
-    import torch.distributed as dist
 
     torch.set_num_threads(1)
     dist.init_process_group(
@@ -848,15 +849,11 @@ def _profile_train_parallel(
 ) -> dict:
     """(CPU) train points again as steps over two processes of this machine, tensor-parallel (tp 2) or
     data-parallel (dp 2): what such a rank does that the cost model's FLOPs / tp (or / dp) leave out
-    (cost_model.tp_unsplit_fit: per token and per optimizer step, hence two sizes; cost_model.dp_overhead_fit), the
+    (profile_fit.tp_unsplit_fit: per token and per optimizer step, hence two sizes; profile_fit.dp_overhead_fit), the
     all-reduces priced over `intra_gbps`, the profiled type's link inside a machine. `points` are
     (seed, (trajectories, prompt, response)). Returns {"dp", "tp", "layers", "hidden", "passes", "bytes",
     "micro_batch_tokens", "optimizer_steps", "intra_gbps", "model_config", "points": [{"trajectories", "prompt",
     "response", "tokens", "flops", "step_s"}]}."""
-    import tempfile
-
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
 
     if dist.is_initialized():  # a process group exists (a test's): not measured here
         return {}
@@ -882,7 +879,7 @@ def _profile_train_parallel(
         "tp": tp,
         "layers": spec.layers,
         "hidden": spec.hidden,
-        "passes": cm.Workload().train_passes,
+        "passes": specs.Workload().train_passes,
         "bytes": 4,  # fp32 on CPU
         "micro_batch_tokens": micro_batch_tokens,
         "optimizer_steps": PROFILE_MINIBATCHES,
@@ -899,12 +896,6 @@ def _link_peer(init: str, nbytes_max: int) -> None:
     """The receiving side of _profile_link (a spawned process): for each announced size, receive a bucket into a
     fresh buffer and acknowledge it with the CPU seconds that took here, then verify its checksum and copy it out
     (apply: the relay's own work, which the sender does not wait for); a size of 0 ends it."""
-    import time
-
-    import torch
-    import torch.distributed as dist
-
-    from parallel.weight_sync import checksum
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=init, rank=1, world_size=2, timeout=timedelta(seconds=LINK_TIMEOUT_S))
@@ -936,14 +927,6 @@ def _profile_link(sizes: list[int], budget_s: float) -> dict:
     a quiet machine about its wall time, and, like the rest of a CPU profile (time.process_time), free of other
     processes' time slices on a loaded one; `wall_s` is reported beside it. Returns {"latency_s": an 8-byte hop,
     "points": [{"bytes", "hop_s", "wall_s"}]}."""
-    import tempfile
-    import time
-
-    import torch
-    import torch.distributed as dist
-    import torch.multiprocessing as mp
-
-    from parallel.weight_sync import checksum
 
     if dist.is_initialized():  # a process group exists (a test's): the link is not measured here
         return {}
