@@ -15,6 +15,8 @@ sys.path[:0] = [str(p) for p in (TESTS / "support", TESTS / "unit") if str(p) no
 
 from tiny import build_tiny_model  # noqa: E402  (tiny puts the repository and exp/ on sys.path)
 
+pytest_plugins = ["cputime"]  # --cpu-durations=N
+
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory):
