@@ -1,5 +1,6 @@
-"""Emulated device types (emulation.py): the throttle's arithmetic, its validation, the plan plumbing, the
-generator-step split, and an emulated run end to end."""
+"""Emulated device types (cpu_bench/emulation.py): the throttle's arithmetic, its validation, the plan plumbing and the
+generator-step split (a throttled pipeline on gloo ranks: tests/dist/test_measured_ranks.py; an emulated run end to
+end: tests/e2e/test_e2e.py)."""
 
 import json
 import statistics

@@ -1,4 +1,5 @@
-"""Planner tests: optimality vs --exhaustive, plan-JSON invariants, objectives, and clear errors."""
+"""Planner tests: optimality vs --exhaustive, plan-JSON invariants, objectives, and clear errors (the CLI as a
+process: tests/e2e/test_planner_cli.py)."""
 
 from __future__ import annotations
 
