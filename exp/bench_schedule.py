@@ -7,7 +7,7 @@ of the optimality check against --exhaustive (acceptance: <= 90 s).
 Clusters: the shipped 24/32/40/56-GPU H800+H20 mixes and a 512-GPU one (16 H800 + 48 H20 machines of 8),
 model 7B, the reproduction workload. Time = the full two-phase solve (Algorithm 1 + refinement), imports excluded.
 
-Optimality check: the workload of tests/test_schedule.py::test_planner_matches_exhaustive_on_50_random_small_clusters
+Optimality check: the workload of tests/unit/test_schedule.py::test_planner_matches_exhaustive_on_50_random_small_clusters
 (imported from it, so the two cannot drift apart): planner and brute force on the same 50 seeded random clusters.
 """
 
@@ -21,7 +21,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
-sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "tests" / "unit"))
 
 from reproduce_paper import workload  # noqa: E402
 from test_schedule import SMALL_MODEL, WL, random_cluster  # noqa: E402

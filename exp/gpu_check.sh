@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Every single-GPU check in one call (a lent GPU's time is short: <= ~10 min in all): the environment, tests/test_gpu.py
+# Every single-GPU check in one call (a lent GPU's time is short: <= ~10 min in all): the environment, tests/gpu/test_gpu.py
 # (CUDA fp32 exactness, bf16, CUDA-graph decode and weight swaps, the trainer on CUDA, a colocated run), the
 # colocated end-to-end run of the tiny model (exp/configs/gpu_single.yaml: a rollout and a train rank on this one GPU; it
 # must learn >= 20 points within ~3 min of training, within the staleness bound, exactly once), an eta = 0 run
@@ -72,7 +72,7 @@ PY
 stage() { echo "== $1 [at ${SECONDS} s]"; }
 
 gpu_tests() {
-  timeout "${TEST_TIMEOUT:-270}" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=8 tests/test_gpu.py
+  timeout "${TEST_TIMEOUT:-270}" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=8 tests/gpu/test_gpu.py
 }
 
 colocated_runs() {
@@ -119,7 +119,7 @@ if runs bench; then
 fi
 
 if runs checks; then
-  stage "phase 2, at once: tests/test_gpu.py | colocated runs (gpu_single) | one gpu_r1_1.5b train step vs exp/estimate_memory.py | weight hand-over, pinned host (wire) vs CUDA IPC (shared)"
+  stage "phase 2, at once: tests/gpu/test_gpu.py | colocated runs (gpu_single) | one gpu_r1_1.5b train step vs exp/estimate_memory.py | weight hand-over, pinned host (wire) vs CUDA IPC (shared)"
   gpu_tests > "$OUT/test_gpu.log" 2>&1 &
   tests_pid=$!
   colocated_runs > "$OUT/colocated_stage.log" 2>&1 &
@@ -128,7 +128,7 @@ if runs checks; then
   memory_pid=$!
   handover > "$OUT/handover.log" 2>&1 &
   handover_pid=$!
-  for job in "tests/test_gpu.py:$tests_pid:test_gpu.log" "colocated runs:$colocated_pid:colocated_stage.log" \
+  for job in "tests/gpu/test_gpu.py:$tests_pid:test_gpu.log" "colocated runs:$colocated_pid:colocated_stage.log" \
     "memory:$memory_pid:memory.log" "hand-over:$handover_pid:handover.log"; do
     IFS=: read -r name pid log <<< "$job"
     if wait "$pid"; then result=passed; else result=FAILED; status=1; fi

@@ -59,7 +59,7 @@ CHECKSUM_CHUNK_WORDS = 1 << 20  # int64 intermediates of at most this many words
 IN_FLIGHT = 2  # buckets alive on a sender (the one leaving, the one being filled) and on a relay
 ABANDONED: list[torch.Tensor] = []  # buffers of sends to failed peers: the backend may still read them
 # fault injection for the tests: "<rank>:<version>:<STOP|KILL>" -- that rollout leader signals itself half-way
-# through receiving that version (tests/test_fault_tolerance.py)
+# through receiving that version (tests/e2e/test_fault_tolerance.py)
 FAULT_ENV = "HEXRL_FAULT_IN_WEIGHT_SYNC"
 # "1": stage every bucket through host memory even on CPU, so the tests run the colocated GPU path's code
 STAGE_ENV = "HEXRL_STAGE_WEIGHTS_THROUGH_HOST"

@@ -46,7 +46,7 @@ steady state (1F1B keeps at most pp micro-batches in flight, the optimizer state
 on) at a fraction of the time; only the packed batch rows of the sequences left out (~40 bytes per token) are
 missing. --validate measures both against real runs.
 
-Validation (--validate, tests/test_estimate_memory.py). Two small models (a tied Qwen2, an untied GQA Llama) on
+Validation (--validate, tests/dist/test_measured_ranks.py). Two small models (a tied Qwen2, an untied GQA Llama) on
 three layouts (dp 2 under FSDP, tp 2, pp 2), each with a rollout rank, run for real on CPU processes (gloo, real
 tensors, the config's full batch) with torch.profiler recording every allocation (allocator level: what kernels
 allocate for themselves too), then estimated in the same processes. The estimate is within 15% of the measured peak

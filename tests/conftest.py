@@ -1,8 +1,21 @@
+"""The tiers are folders: unit/ (one process), dist/ (gloo workers the test starts), e2e/ (entry points run as
+processes: torchrun train.py, the CLIs, exp scripts), gpu/ (CUDA only). `pytest tests` runs them all; any folder or
+file runs alone from the repository root."""
+
+import sys
 import tempfile
+from pathlib import Path
 
 import pytest
 import torch.distributed as dist
-from tiny import build_tiny_model
+
+TESTS = Path(__file__).resolve().parent
+# support/ holds tiny.py and the workers; unit/'s model builders and checks are reused by the dist and gpu tiers
+sys.path[:0] = [str(p) for p in (TESTS / "support", TESTS / "unit") if str(p) not in sys.path]
+
+from tiny import build_tiny_model  # noqa: E402  (tiny puts the repository and exp/ on sys.path)
+
+pytest_plugins = ["cputime"]  # --cpu-durations=N
 
 
 @pytest.fixture(scope="session")

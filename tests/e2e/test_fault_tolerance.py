@@ -1,0 +1,292 @@
+"""Fault tolerance, end to end on CPU (4 ranks: 2 train, 2 rollout, tiny model).
+
+* SIGKILL a train rank / a rollout rank at a random step, relaunch with resume=auto until the steps are done;
+  the ledger must show every planned trajectory consumed exactly once, monotonic versions, the staleness bound for
+  every token before and after the restart, and metrics.jsonl must hold each step exactly once, in order.
+* SIGSTOP a rollout rank: the head drops it within dist.rollout_timeout_s, re-queues its groups, finishes with the
+  other rollout rank, and exits non-zero naming the stuck rank (so the launcher reclaims it).
+Set HEXRL_FAULT_SEED to replay a failure (the seed is in every assertion message). The head's side of these faults,
+in process: tests/unit/test_head_faults.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from tiny import ENV, ROOT
+
+STEPS, B, G = 6, 2, 4
+
+
+def base_args(model_dir: Path, run_dir: Path, eta: int, extra=()) -> list[str]:
+    return [
+        f"model.path={model_dir}",
+        f"logging.run_dir={run_dir}",
+        "logging.run_name=r",
+        f"train.total_steps={STEPS}",
+        "train.max_train_seconds=0",
+        f"train.prompts_per_step={B}",
+        f"rollout.samples_per_prompt={G}",
+        "rollout.max_new_tokens=16",
+        "data.num_test=4",
+        "data.num_train=200",
+        "logging.eval_every=3",
+        "logging.progress=false",
+        f"max_staleness={eta}",
+        "checkpoint.every=2",
+        "checkpoint.keep=2",
+        "resume=auto",
+        "dist.timeout_s=90",
+        "train.shard_state=true",  # the 2 train ranks shard their state with FSDP (the CPU demo config does not)
+        *extra,
+    ]
+
+
+def launch(args: list[str], log_prefix: Path, nproc: int = 4) -> subprocess.Popen:
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc_per_node={nproc}",
+        "--standalone",
+        "train.py",
+        *args,
+    ]
+    out, err = open(f"{log_prefix}.out", "w"), open(f"{log_prefix}.err", "w")
+    return subprocess.Popen(cmd, cwd=ROOT, env=ENV, stdout=out, stderr=err, start_new_session=True)
+
+
+def worker_pids(agent_pid: int) -> dict[int, int]:
+    """Global rank -> pid of the workers torchrun started (children of the agent, RANK in their environment)."""
+    pids = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if ppid != agent_pid:
+                continue
+            env = dict(kv.split("=", 1) for kv in (entry / "environ").read_text().split("\0") if "=" in kv)
+        except (OSError, ValueError, IndexError):
+            continue
+        if "RANK" in env:
+            pids[int(env["RANK"])] = int(entry.name)
+    return pids
+
+
+def step_lines(run: Path) -> list[dict]:
+    path = run / "metrics.jsonl"
+    if not path.exists():
+        return []
+    lines = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return [m for m in lines if "loss" in m]
+
+
+def wait_until(cond, proc: subprocess.Popen, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        got = cond()
+        if got:
+            return got
+        if proc.poll() is not None:
+            raise AssertionError(f"run ended (rc {proc.returncode}) before {what}")
+        time.sleep(0.1)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def finish(proc: subprocess.Popen, timeout: float = 240) -> int:
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
+
+
+def check_run(run: Path, eta: int, note: str) -> None:
+    ledger = [json.loads(x) for x in (run / "ledger.jsonl").read_text().splitlines()]
+    keys = [(e["group_id"], e["sample_idx"]) for e in ledger]
+    assert len(keys) == len(set(keys)), f"{note}: a trajectory was trained twice"
+    assert len(keys) == STEPS * B * G, f"{note}: {len(keys)} ledger lines, planned {STEPS * B * G}"
+    assert [e["step"] for e in ledger] == [s for s in range(1, STEPS + 1) for _ in range(B * G)], (
+        f"{note}: versions not monotonic / a step missing or repeated"
+    )
+    for e in ledger:
+        assert e["trainer_version"] == e["step"] - 1, (note, e)
+        assert e["trainer_version"] - e["min_version"] <= eta, (note, "staleness bound broken", e)
+        assert e["min_version"] <= e["max_version"] <= e["trainer_version"], (note, e)
+        assert e["updated"], (note, e)
+    groups = {}
+    for e in ledger:  # a group is trained whole, at one step
+        groups.setdefault(e["group_id"], set()).add((e["prompt_id"], e["step"]))
+    assert all(len(v) == 1 for v in groups.values()), f"{note}: a group split across steps or prompts"
+    assert [m["step"] for m in step_lines(run)] == list(range(1, STEPS + 1)), f"{note}: metrics steps"
+
+
+def kill_at(args: list[str], run: Path, prefix: Path, step: int, rank: int, note: str, nproc: int = 4) -> int:
+    """Launch (resume=auto), SIGKILL `rank` once `step` steps are logged; returns the steps logged at death."""
+    proc = launch(args, prefix, nproc)
+    # the previous launch's lines count only once this one has cut the logs back (it prints the run directory
+    # after that); before, an old metrics.jsonl can already hold `step` lines while no worker exists yet
+    out = Path(f"{prefix}.out")
+    wait_until(lambda: "hexrl run directory:" in out.read_text(), proc, 180, f"launch {prefix.name} ({note})")
+    wait_until(lambda: len(step_lines(run)) >= step, proc, 180, f"step {step} ({note})")
+    pid = wait_until(lambda: worker_pids(proc.pid).get(rank), proc, 30, f"rank {rank}'s process ({note})")
+    os.kill(pid, signal.SIGKILL)
+    assert finish(proc) != 0, note
+    return len(step_lines(run))
+
+
+def resumed_step(prefix: Path) -> int | None:
+    lines = [x for x in Path(f"{prefix}.out").read_text().splitlines() if x.startswith("hexrl: resuming from")]
+    return int(lines[0].split("step_")[1].split()[0]) if lines else None
+
+
+def test_sigkill_train_then_rollout_rank_resume_exactly_once(tmp_path, tiny_model_dir):
+    """Two crashes in one run: a train rank, then (after the first resume) a rollout rank, at random steps."""
+    seed = int(os.environ.get("HEXRL_FAULT_SEED", random.randrange(10**6)))
+    rng = random.Random(seed)
+    eta = rng.choice([0, 1, 2])
+    k1, train_victim = rng.randint(1, 3), rng.choice([0, 1])
+    k2, rollout_victim = rng.randint(k1 + 1, STEPS - 1), rng.choice([2, 3])
+    note = f"HEXRL_FAULT_SEED={seed}: eta {eta}, kill rank {train_victim} at step {k1}, rank {rollout_victim} at {k2}"
+    run = tmp_path / "r"
+    args = base_args(tiny_model_dir, tmp_path, eta)
+
+    done = kill_at(args, run, tmp_path / "launch0", k1, train_victim, note)
+    done = max(done, kill_at(args, run, tmp_path / "launch1", k2, rollout_victim, note))
+    proc = launch(args, tmp_path / "launch2")
+    assert finish(proc) == 0, f"{note}\n" + (tmp_path / "launch2.err").read_text()[-3000:]
+
+    for prefix, before in (("launch1", None), ("launch2", done)):
+        step = resumed_step(tmp_path / prefix)
+        if before is not None:  # the newest complete checkpoint (or the one before it,
+            newest = before - before % 2  # when killed while writing it)
+            assert step in (newest, newest - 2), (note, prefix, before, step)
+        assert step is None or step % 2 == 0, (note, prefix, step)
+    check_run(run, eta, note)
+    ckpts = sorted(p.name for p in (run / "checkpoints").iterdir())
+    assert ckpts == ["step_4", "step_6"], (note, ckpts)  # keep=2, no temp dir left behind
+
+    # the checkpoint's model directory is a plain HF model, bitwise the trainer's (fp32 master) weights
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(run / "checkpoints" / "step_6" / "model")
+    shards = [
+        torch.load(run / "checkpoints" / "step_6" / f"train_rank{r}.pt", weights_only=True)["trainer"] for r in (0, 1)
+    ]
+    assert [s["step"] for s in shards] == [STEPS, STEPS]
+    sd = model.state_dict()
+    # sharded like the state (FSDP over the 2 DP ranks): each rank wrote its rows of every tensor, together the model
+    assert set(shards[0]["model"]) == set(shards[1]["model"]), note
+    for name in shards[0]["model"]:
+        assert torch.equal(sd[name], torch.cat([s["model"][name] for s in shards])), (note, name)
+
+    def numel(s):
+        return sum(t.numel() for t in s["model"].values())
+
+    def moments(s):
+        return sum(t.numel() for st in s["optimizer"]["state"].values() for k, t in st.items() if k != "step")
+
+    total = sum(sd[n].numel() for n in shards[0]["model"])
+    for s in shards:  # size per rank follows its shard: about half of the weights, and AdamW's two moments of them
+        assert abs(numel(s) - total / 2) <= 0.05 * total, (note, numel(s), total)
+        assert moments(s) == 2 * numel(s), note
+
+
+def test_stuck_rollout_rank_is_dropped_and_named(tmp_path, tiny_model_dir):
+    run = tmp_path / "r"
+    timeout = 4
+    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"dist.rollout_timeout_s={timeout}"]), tmp_path / "stop")
+    wait_until(lambda: len(step_lines(run)) >= 1, proc, 180, "step 1")
+    pids = worker_pids(proc.pid)
+    os.kill(pids[3], signal.SIGSTOP)
+    t_stop = time.monotonic()
+    err = tmp_path / "stop.err"
+    try:
+        wait_until(lambda: "warning: rollout rank 3" in err.read_text(), proc, timeout + 60, "rank 3 dropped")
+        t_dropped = time.monotonic() - t_stop
+        # the head finishes without it, then exits non-zero so the launcher reclaims the stuck process
+        wait_until(lambda: not Path(f"/proc/{pids[0]}").exists(), proc, 180, "the head to finish")
+    finally:
+        os.kill(pids[3], signal.SIGKILL)
+    rc = finish(proc)
+    stderr = err.read_text()
+    assert rc != 0
+    assert t_dropped < timeout + 30, t_dropped
+    assert "[rank 0] error: finished at step 6 without rollout rank(s) [3]" in stderr, stderr[-3000:]
+    assert "Traceback" not in stderr.split("[rank 0] error:")[0], stderr[-3000:]
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", 3)], events
+    check_run(run, 1, "SIGSTOP rank 3")
+
+
+def launch_without_agent(args: list[str], log_prefix: Path, env_extra: dict, nproc: int = 4) -> list:
+    """The ranks of train.py as plain processes (the env torchrun would set): a SIGKILLed rank then ends only
+    itself -- torchrun's agent would end every rank of the job, which resume covers (the tests above)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = {
+            **ENV,
+            **env_extra,
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": str(nproc),
+            "LOCAL_WORLD_SIZE": str(nproc),
+            "GROUP_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        out, err = open(f"{log_prefix}.{rank}.out", "w"), open(f"{log_prefix}.{rank}.err", "w")
+        procs.append(subprocess.Popen([sys.executable, "train.py", *args], cwd=ROOT, env=env, stdout=out, stderr=err))
+    return procs
+
+
+@pytest.mark.parametrize(
+    "signal_name, victim",
+    [("STOP", 2), ("KILL", 2), ("STOP", 3), ("KILL", 3)],
+    ids=["stopped-relay", "killed-relay", "stopped-mate", "killed-mate"],
+)
+def test_rollout_rank_lost_mid_weight_sync_is_dropped_and_the_run_finishes(
+    tmp_path, tiny_model_dir, signal_name, victim
+):
+    """Ranks 2 and 3 are the rollout replicas of one machine: rank 2 receives each bucket from the train ranks and
+    forwards it to rank 3. The victim signals itself half-way through receiving version 3 (about 12 buckets of
+    0.05 MB). It is dropped within dist.rollout_timeout_s and named; the other replica finishes the run with whole
+    versions: every trajectory trained exactly once, the staleness bound kept for every token."""
+    from parallel.weight_sync import FAULT_ENV
+
+    run, timeout = tmp_path / "r", 4
+    args = base_args(tiny_model_dir, tmp_path, 1, [f"dist.rollout_timeout_s={timeout}", "dist.weight_bucket_mb=0.05"])
+    args = [a for a in args if a not in ("checkpoint.every=2", "resume=auto")] + ["checkpoint.every=0"]
+    procs = launch_without_agent(args, tmp_path / "l", {FAULT_ENV: f"{victim}:3:{signal_name}"})
+    try:
+        head_rc = procs[0].wait(timeout=240)
+        err = (tmp_path / "l.0.err").read_text()
+        assert head_rc == 3, err[-3000:]  # finished, naming the lost rank, so a launcher reclaims it
+        assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [{victim}]" in err, err[-3000:]
+        assert f"warning: rollout rank {victim}" in err, err[-3000:]
+        other = 5 - victim
+        assert procs[other].wait(timeout=60) == 0, (tmp_path / f"l.{other}.err").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
+    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", victim)], events
+    lost = [m for m in step_lines(run) if m["step"] == 3]
+    assert lost and lost[0]["weight_sync_s"] < timeout + 10, lost  # dropped within the timeout (+ its re-send)
+    check_run(run, 1, f"{signal_name} rank {victim} mid-sync")
