@@ -17,7 +17,7 @@ import torch.distributed as dist
 from buffer import StalenessBuffer, Trajectory
 from checkpoint import CheckpointError
 from errors import HexrlError, SetupError
-from parallel.rankmap import RolloutReplica
+from plan import RolloutReplica
 from runlog import peak_memory_bytes
 
 

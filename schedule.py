@@ -34,7 +34,7 @@ import time
 from dataclasses import asdict
 
 from parallel import sync_layout
-from parallel.rankmap import PlanError
+from plan import PlanError
 from planner import calibration, cost_model, profile_fit, specs
 from planner.calibration import calibrate
 from planner.search import Evaluation, Planner, check_rollout_tp, machine_kinds

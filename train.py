@@ -54,7 +54,9 @@ from errors import HexrlError, SetupError
 from head import Admission, DataOrder, EvalBook, NonFiniteGuard, RolloutPool, StepMetrics, WeightAcks
 from parallel import sync_layout
 from parallel.channel import Aborted, Channel, PeerTimeout
-from parallel.rankmap import (
+from parallel.trajectories import PackedGroup, TrajectoryInbox, batch_control, broadcast_batch, pack, receive_batch
+from parallel.weight_sync import bucket_meta, plan_version, send_version, weights_message
+from plan import (
     PlanError,
     all_gather_json,
     check_launch,
@@ -65,8 +67,6 @@ from parallel.rankmap import (
     layout_record,
     load_plan,
 )
-from parallel.trajectories import PackedGroup, TrajectoryInbox, batch_control, broadcast_batch, pack, receive_batch
-from parallel.weight_sync import bucket_meta, plan_version, send_version, weights_message
 from runlog import RunLog
 from tasks import DataError, load_task
 

@@ -90,8 +90,8 @@ def worker(args) -> None:
 
     from config import TrainConfig
     from parallel.groups import build_groups
-    from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer
+    from plan import make_train_plan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")

@@ -40,7 +40,6 @@ import torch.multiprocessing as mp  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
-from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.weight_sync import (  # noqa: E402
     bucket_meta,
     plan_version,
@@ -48,6 +47,7 @@ from parallel.weight_sync import (  # noqa: E402
     send_version,
     weights_message,
 )
+from plan import make_train_plan  # noqa: E402
 from planner import cost_model, specs  # noqa: E402
 
 # (hidden, layers, intermediate, vocab): two small models to fit the link on, then the benchmark model (~42M)

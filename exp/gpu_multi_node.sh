@@ -13,7 +13,7 @@
 #    node and must equal it. PLAN=plan_H800 runs a homogeneous baseline on the H800 machines only (start it on
 #    those nodes alone).
 #
-# Which node is which (parallel/rankmap.py, "placement"): node k of the launch is the k-th machine in the plan's
+# Which node is which (plan.py, "placement"): node k of the launch is the k-th machine in the plan's
 # rank order -- schedule.py puts the machines holding pipeline stage 0 first, so that need not be the k-th machine
 # of the cluster YAML; the line "node k = machine m" printed below names it. The node runs exactly that machine's
 # ranks (LOCAL_WORLD_SIZE = its rank count; local rank j = its j-th rank) on GPUs of its type. Before starting,
@@ -92,10 +92,10 @@ train)
   PLAN_NAME="${PLAN:-plan}"
   PLAN_FILE="$OUT/$PLAN_NAME.json"
   [[ -f "$PLAN_FILE" ]] || { echo "error: $PLAN_FILE not found; run '$0 plan' first (and share \$OUT)" >&2; exit 2; }
-  # this node's machine in the plan: node k = the k-th machine in rank order (parallel.rankmap.plan_nodes)
+  # this node's machine in the plan: node k = the k-th machine in rank order (plan.plan_nodes)
   placement="$("$PYTHON" - "$PLAN_FILE" "$NODE_RANK" <<'PY'
 import json, sys
-from parallel.rankmap import PlanError, plan_nodes
+from plan import PlanError, plan_nodes
 plan, node = json.load(open(sys.argv[1])), int(sys.argv[2])
 try:
     nodes = plan_nodes(plan)
@@ -124,7 +124,7 @@ PY
     exit 2
   fi
   if [[ "${HEXRL_ANY_DEVICE:-}" != 1 ]] \
-    && ! "$PYTHON" -c 'import sys; from parallel.rankmap import device_matches; sys.exit(not device_matches(*sys.argv[1:]))' \
+    && ! "$PYTHON" -c 'import sys; from plan import device_matches; sys.exit(not device_matches(*sys.argv[1:]))' \
       "$TYPE_HERE" "$local_name"; then
     echo "error: node $NODE_RANK: the plan puts $TYPE_HERE GPUs here, this node has '$local_name' (HEXRL_ANY_DEVICE=1 to run anyway)" >&2
     exit 2

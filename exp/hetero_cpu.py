@@ -153,7 +153,7 @@ def free_port() -> int:
 def launch(plan_path: Path, run_dir: Path, plan: dict, args) -> tuple[bool, float]:
     """train.py on the plan: one torchrun agent per plan machine (its node), static rendezvous. (ok, seconds)."""
     nodes = []
-    for r in plan["ranks"]:  # machines in rank order are the plan's nodes (parallel/rankmap.py)
+    for r in plan["ranks"]:  # machines in rank order are the plan's nodes (plan.py)
         if not nodes or nodes[-1][0] != r["machine"]:
             nodes.append([r["machine"], 0])
         nodes[-1][1] += 1

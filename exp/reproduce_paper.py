@@ -45,7 +45,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "exp"))
 
 import schedule  # noqa: E402
-from parallel.rankmap import PlanError  # noqa: E402
+from plan import PlanError  # noqa: E402
 from planner import cost_model, profile_fit, search, simulate, specs  # noqa: E402
 
 MODELS = {

@@ -1,6 +1,6 @@
 """Process groups from the planner's rank map: the trainer's DP x TP x PP mesh and the rollout replicas.
 
-The plan's schema, its validation and the train-rank order are parallel/rankmap.py's. Rollout ranks form
+The plan's schema, its validation and the train-rank order are plan.py's. Rollout ranks form
 replicas (`rollout.replicas`: ranks, tp, share): a TP-k replica is k ranks of one machine running one sharded
 generator; its leader (lowest rank) is the one the train head talks to, so `rollout_ranks` lists the leaders.
 A plan without `rollout.replicas` makes every rollout rank a TP-1 replica of equal share. Ranks the plan marks
@@ -18,8 +18,8 @@ from typing import Any
 
 import torch.distributed as dist
 
-from parallel.rankmap import PlanError, RolloutReplica, rollout_replicas, train_coords, validate_plan
 from parallel.sync_layout import links_from_cluster
+from plan import PlanError, RolloutReplica, rollout_replicas, train_coords, validate_plan
 
 
 @dataclass
@@ -76,7 +76,7 @@ class ParallelGroups:
         return self.stage_layers[self.pp_rank]
 
     def what_runs(self) -> dict:
-        """This rank's role as these groups run it, spelt like rankmap.planned_role (for layout.json)."""
+        """This rank's role as these groups run it, spelt like plan.planned_role (for layout.json)."""
         train, replica = self.is_train, self.replica if self.role == "rollout" else None
         return {
             "role": self.role,

@@ -26,9 +26,9 @@ from cpu_bench.emulation import Throttle
 from generator import Generator, SamplingParams
 from parallel.groups import build_groups
 from parallel.packing import dynamic_microbatches
-from parallel.rankmap import make_train_plan
 from parallel.trainer import Trainer
 from parallel.weight_sync import checksum
+from plan import make_train_plan
 from planner import cost_model, profile_fit, specs
 
 

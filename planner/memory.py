@@ -660,7 +660,7 @@ def _validation_rank(rank: int, world: int, folder: str, cases: list[tuple[str, 
     from transformers import AutoConfig
 
     from parallel.groups import build_groups
-    from parallel.rankmap import make_train_plan, stage_layer_ranges
+    from plan import make_train_plan, stage_layer_ranges
 
     torch.set_num_threads(1)
     cfg = validation_config()
@@ -721,7 +721,7 @@ def measure_train_step(config: str, overrides: list[str], layers: int | None, to
     from torch.profiler import ProfilerActivity, profile
 
     from parallel.groups import build_groups
-    from parallel.rankmap import make_train_plan
+    from plan import make_train_plan
 
     cfg = load_run(config, overrides)
     hf_cfg = hf_config(cfg)

@@ -26,7 +26,7 @@ import mip
 import networkx as nx
 
 from parallel import sync_layout
-from parallel.rankmap import PlanError
+from plan import PlanError
 from planner import cost_model
 from planner.cost_model import ReplicaCost, StageSpec
 from planner.specs import Cluster, Efficiency, ModelSpec, Workload

@@ -67,7 +67,7 @@ def worker(tmp: str, mode: str) -> None:
     from checkpoint import CheckpointWriter
     from config import load_config
     from parallel.channel import Channel
-    from parallel.rankmap import RolloutReplica
+    from plan import RolloutReplica
     from rollout import RolloutWorker
     from runlog import RunLog
     from train import TrainFollower, TrainHead, broadcast_json

@@ -57,7 +57,7 @@ def test_config_errors_without_launcher():
 def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
     """Each: exactly one error line (rank 0), torchrun fails, no hexrl traceback, nothing written to a run dir."""
     bad_plan = tmp_path / "plan8.json"
-    from parallel.rankmap import make_train_plan
+    from plan import make_train_plan
 
     bad_plan.write_text(json.dumps(make_train_plan(4, 1, 1, [(0, 2)], world_size=8)))
     bad_rows = tmp_path / "rows.jsonl"
@@ -98,7 +98,7 @@ def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
 def test_bad_plan_files_are_one_line(tmp_path, tiny_model_dir):
     """A plan that is unreadable, or readable but inconsistent (parallel/groups.py's checks), fails the same way on
     every rank: rank 0 reports it once, in the whole output of a 2-rank run, without a traceback."""
-    from parallel.rankmap import make_train_plan
+    from plan import make_train_plan
 
     not_json = tmp_path / "not_json.json"
     not_json.write_text('{"world_size": 2, "ranks": [')

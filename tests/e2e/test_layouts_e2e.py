@@ -10,7 +10,7 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
 
 
 def run_layout(tmp_path, model_dir, dp, tp, pp):
-    from parallel.rankmap import make_train_plan, stage_layer_ranges
+    from plan import make_train_plan, stage_layer_ranges
 
     plan = make_train_plan(dp, tp, pp, [tuple(x) for x in stage_layer_ranges(2, pp)], world_size=dp * tp * pp + 1)
     plan_file = tmp_path / f"plan_{dp}{tp}{pp}.json"

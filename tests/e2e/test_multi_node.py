@@ -17,10 +17,10 @@ from tiny import ENV, ROOT
 
 SCRIPT = ROOT / "exp/multi_node_cpu.sh"
 LIMIT_S = 90
-# The wrong-plan cases need parallel.rankmap.check_launch called in train.py's main() (every rank, after check_plan);
+# The wrong-plan cases need plan.check_launch called in train.py's main() (every rank, after check_plan);
 # without it a wrong machine-1 type is not noticed at all. They run once it is wired in.
 WIRED = "check_launch(" in (ROOT / "train.py").read_text()
-needs_check_launch = pytest.mark.skipif(not WIRED, reason="train.py does not call parallel.rankmap.check_launch yet")
+needs_check_launch = pytest.mark.skipif(not WIRED, reason="train.py does not call plan.check_launch yet")
 
 
 def run_two_nodes(out, plan: dict | None = None) -> tuple[subprocess.CompletedProcess, list[str]]:

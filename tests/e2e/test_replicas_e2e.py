@@ -29,7 +29,7 @@ from test_fault_tolerance import (
     worker_pids,
 )
 
-from parallel.rankmap import layout_mismatches, make_train_plan
+from plan import layout_mismatches, make_train_plan
 
 
 def replica_plan(path: Path, num_layers: int, replicas: list[tuple[list[int], float]], idle: int = 0) -> Path:

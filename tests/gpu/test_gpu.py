@@ -128,8 +128,8 @@ def test_trainer_on_cuda_matches_the_cpu_reference(nccl_world_of_one, dtype):
     from dist_parallel_worker import TEMPERATURE, make_trajectories, reference, tiny_model, trainer_config
 
     from parallel.groups import build_groups
-    from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer
+    from plan import make_train_plan
 
     model = tiny_model("qwen2")
     cfg = trainer_config(

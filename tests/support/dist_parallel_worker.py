@@ -32,9 +32,9 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 from config import TrainConfig  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
 from parallel.ppo import aggregation_weights, decoupled_ppo_loss, k3_kl, token_logprobs_and_entropy  # noqa: E402
-from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.tensor_parallel import slice_shard  # noqa: E402
 from parallel.trainer import Trainer  # noqa: E402
+from plan import make_train_plan  # noqa: E402
 
 torch.set_num_threads(1)
 TOL = 1e-5

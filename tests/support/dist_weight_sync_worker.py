@@ -25,8 +25,8 @@ from config import TrainConfig  # noqa: E402
 from parallel import sync_layout  # noqa: E402
 from parallel.channel import Channel  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
-from parallel.rankmap import make_train_plan  # noqa: E402
 from parallel.weight_sync import bucket_meta, plan_version, receive_version, send_version, weights_message  # noqa: E402
+from plan import make_train_plan  # noqa: E402
 from planner import specs  # noqa: E402
 
 

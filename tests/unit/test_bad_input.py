@@ -123,8 +123,8 @@ def test_nonfinite_steps_are_skipped_then_stop(world_of_one, tmp_path):
     from head import NonFiniteError
     from parallel.channel import Channel
     from parallel.groups import build_groups
-    from parallel.rankmap import make_train_plan
     from parallel.trainer import Trainer
+    from plan import make_train_plan
     from runlog import RunLog
     from train import TrainHead
 

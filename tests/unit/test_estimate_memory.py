@@ -52,7 +52,7 @@ def test_planner_memory_model_agrees_with_the_estimator():
     from transformers import AutoConfig
 
     from config import Config
-    from parallel.rankmap import make_train_plan
+    from plan import make_train_plan
 
     fields = json.loads((ROOT / "exp/models/qwen2.5-0.5b.json").read_text())
     fields = {k: v for k, v in fields.items() if k not in ("architectures", "torch_dtype", "transformers_version")}

@@ -9,7 +9,7 @@ from buffer import StalenessBuffer, Trajectory
 from checkpoint import CheckpointError
 from errors import HexrlError, SetupError
 from head import Admission, DataOrder, EvalBook, NonFiniteError, NonFiniteGuard, RolloutPool, StepMetrics, WeightAcks
-from parallel.rankmap import RolloutReplica
+from plan import RolloutReplica
 
 
 # ---------------------------------------------------------------------------------------------- data order

@@ -45,7 +45,7 @@ def make_head(tmp_path, channel, *overrides):
 
     from checkpoint import CheckpointWriter
     from config import load_config
-    from parallel.rankmap import RolloutReplica
+    from plan import RolloutReplica
     from runlog import RunLog
     from train import TrainHead
 

@@ -10,7 +10,7 @@ import torch
 
 from parallel.groups import build_groups
 from parallel.packing import balanced_partition, dynamic_microbatches
-from parallel.rankmap import PlanError, make_train_plan, validate_plan
+from plan import PlanError, make_train_plan, validate_plan
 
 torch.set_num_threads(1)
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -14,7 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import schedule  # noqa: E402
-from parallel.rankmap import (  # noqa: E402
+from plan import (  # noqa: E402
     ANY_DEVICE_ENV,
     PlanError,
     check_launch,
@@ -254,7 +254,7 @@ def test_colocated_gpu_caps_each_role_and_refuses_layouts_gloo_cannot_run(monkey
 
     from config import load_config
     from errors import SetupError
-    from parallel.rankmap import RolloutReplica
+    from plan import RolloutReplica
     from train import share_device
 
     caps = []

@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 import schedule  # noqa: E402
-from parallel.rankmap import PlanError  # noqa: E402
+from plan import PlanError  # noqa: E402
 from planner import calibration, cost_model, search, specs  # noqa: E402  # noqa: E402
 
 TYPES = {  # the paper's two GPUs plus two made-up ones, so 3-type clusters exist

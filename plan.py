@@ -1,6 +1,7 @@
-"""Rank maps: which global rank generates and which trains, and where it sits in the trainer's mesh.
+"""The plan JSON, where the planner and the runtime meet: which global rank generates and which trains, where it
+sits in the trainer's mesh, and checks that a launch runs it. Torch-free but for the checks' gathers.
 
-The schema is the one schedule.py writes (see README, "Plan JSON"): `world_size`, `ranks` (per global
+The schema is the one schedule.py writes (docs/planner.md, "Plan JSON"): `world_size`, `ranks` (per global
 rank: `rank`, `role` rollout|train, for train `dp`, `tp`, `pp`, `layers`), `rollout.replicas` and
 `train` (`dp`, `tp`, `pp`, `stages`: [{pp, gpu_type, layers, ranks}]). Train-rank order: the train ranks
 sorted by global rank; train index i -> tp = i % tp, dp = (i // tp) % dp, pp = i // (tp * dp). TP is fastest
