@@ -21,6 +21,7 @@ import math
 from dataclasses import dataclass, field, replace
 
 from cpu_bench.emulation import Emulation
+from errors import HexrlError
 
 ROLES = ("train", "rollout")  # what a device does in a plan (busy_devices tells them apart)
 # Rounds of settle's core-share fixed point: the roles' shares feed each other (a slower replica is busy longer,
@@ -28,7 +29,7 @@ ROLES = ("train", "rollout")  # what a device does in a plan (busy_devices tells
 CORE_SHARE_ROUNDS = 12
 
 
-class HostSpecError(ValueError):
+class HostSpecError(HexrlError, ValueError):
     """A host_cores entry that cannot be priced (planner/specs.py reports it as a SpecError)."""
 
 

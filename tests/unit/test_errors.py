@@ -11,7 +11,8 @@ from errors import HexrlError
 from parallel.channel import Aborted
 
 ROOT = Path(__file__).resolve().parents[2]
-RUNTIME = [p for p in sorted(ROOT.glob("*.py"))] + sorted((ROOT / "parallel").glob("*.py"))
+PACKAGES = ("parallel", "planner", "cpu_bench")
+RUNTIME = sorted(ROOT.glob("*.py")) + [p for d in PACKAGES for p in sorted((ROOT / d).glob("*.py"))]
 
 
 def defined_exceptions(module) -> list[type]:
