@@ -356,7 +356,7 @@ def table1_profile_text(fit: Table1Fit, base: PaperDevice) -> str:
         f"cluster: {doc.get('cluster', '')}",
         "efficiency:",
         "  # Rollout, Table 1's $ per inference token (per model: Table 1, tokens/s per GPU, ours with these fractions).",
-        "  # mfu_infer is weakly determined: it only sets where the compute roof bends the fit (exp/PLANNER.md).",
+        "  # mfu_infer is weakly determined: it only sets where the compute roof bends the fit (docs/planner.md).",
         *rows(0),
         f"  hbm_eff: {sig(e.hbm_eff)}",
         f"  mfu_infer: {sig(e.mfu_infer)}",

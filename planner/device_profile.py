@@ -216,7 +216,7 @@ def profile_device(
     `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
     are busy beside each rank: they share its cores' caches and memory bandwidth, and a memory-bound step's CPU
-    time grows with them (exp/PLANNER.md, "Where the error is"). `co_load_trainers` of the peers are train ranks
+    time grows with them (docs/planner.md, "Where the error is"). `co_load_trainers` of the peers are train ranks
     instead (Trainer.train_step of the CPU runs' shape, each step one piece padded by the throttle's compute
     fraction, as a train rank's is): a run's neighbours are trainers as well as replicas, and a trainer's GEMMs and
     optimizer stream other memory than a decode step. The profile records them (`co_load`).

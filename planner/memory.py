@@ -50,7 +50,7 @@ Validation (--validate, tests/dist/test_measured_ranks.py). Two small models (a 
 three layouts (dp 2 under FSDP, tp 2, pp 2), each with a rollout rank, run for real on CPU processes (gloo, real
 tensors, the config's full batch) with torch.profiler recording every allocation (allocator level: what kernels
 allocate for themselves too), then estimated in the same processes. The estimate is within 15% of the measured peak
-(see exp/PLANNER.md for the numbers). Shims the fake run needs are listed in `fake_runtime`.
+(see docs/planner.md for the numbers). Shims the fake run needs are listed in `fake_runtime`.
 """
 
 from __future__ import annotations

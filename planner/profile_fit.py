@@ -147,7 +147,7 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
         if key in values and not 0 < values[key] <= PROFILE_MAX_FRACTION:
             raise SpecError(
                 f"{source}: efficiency.{key} = {values[key]:.4g} is not physically plausible: an achieved fraction "
-                f"of the GPU type's nominal rate must lie in (0, {PROFILE_MAX_FRACTION}] (exp/PLANNER.md, "
+                f"of the GPU type's nominal rate must lie in (0, {PROFILE_MAX_FRACTION}] (docs/planner.md, "
                 "'Device profiles'); check the type's nominal tflops / hbm_tbps"
             )
     _check_overhead(
@@ -162,7 +162,7 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
             raise SpecError(
                 f"{source}: efficiency.tp_unsplit = {values['tp_unsplit']:.4g} is not physically plausible: the "
                 f"hidden-sized tensors a TP rank streams whole per token, layer and pass lie in "
-                f"[0, {PROFILE_MAX_TP_UNSPLIT:g}] (exp/PLANNER.md, 'Device profiles'); profile again"
+                f"[0, {PROFILE_MAX_TP_UNSPLIT:g}] (docs/planner.md, 'Device profiles'); profile again"
             )
     beside = eff.get("decode_beside") or {}
     if not isinstance(beside, dict):
@@ -175,7 +175,7 @@ def check_profile_efficiency(eff: dict, source: str) -> TypeEfficiency:
             raise SpecError(
                 f"{source}: efficiency.decode_beside.{name} = {factor:.4g} is not physically plausible: a decode "
                 f"step's wall time over the CPU time its decode fit prices, at the type's fraction, lies in [{lo:g}, "
-                f"{hi:g}] (exp/PLANNER.md, 'Device profiles'); profile again on a quieter host"
+                f"{hi:g}] (docs/planner.md, 'Device profiles'); profile again on a quieter host"
             )
         values["decode_beside"][str(name)] = factor
     try:
