@@ -64,8 +64,9 @@ def test_every_shipped_config_loads():
 
 
 def test_documented_config_names_exist():
-    """Every `config=<name>` in the README, exp/*.md, exp/*.sh and config.py's docstring resolves as in load_config."""
-    docs = [ROOT / "README.md", *sorted((ROOT / "exp").glob("*.md")), *sorted((ROOT / "exp").glob("*.sh"))]
+    """Every `config=<name>` in the README, docs/*.md, exp/*.md, exp/*.sh and config.py's docstring resolves as in load_config."""
+    docs = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "exp").glob("*.md"))]
+    docs += sorted((ROOT / "exp").glob("*.sh"))
     texts = {"config.py docstring": config.__doc__, **{str(p.relative_to(ROOT)): p.read_text() for p in docs}}
     seen, missing = [], []
     for where, text in texts.items():
