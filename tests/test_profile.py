@@ -401,13 +401,14 @@ def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tm
 
 
 def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error():
-    """device_profile._co_load: two peers decode (each reports its steps when stopped, more the longer they ran); a
+    """cpu_bench/co_load.start_peers: two peers decode (each reports its steps when stopped, more the longer they ran); a
     peer that cannot build its model stops the start at once with one error naming it, and no peer is left."""
     import time
 
+    from cpu_bench import co_load
     from planner import device_profile
 
-    load = device_profile._co_load(
+    load = co_load.start_peers(
         3, device_profile.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64)
     )
     time.sleep(1.0)
@@ -417,7 +418,7 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert all(not p.is_alive() for p in procs)
     # three train peers: a DP pair in lockstep (both leave at the same step) and one alone, beside a decoder
     logged = []
-    load = device_profile._co_load(
+    load = co_load.start_peers(
         4, device_profile.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64)
     )
     time.sleep(2.0)
@@ -427,7 +428,7 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert "3 training in DP pairs, 1 decoding 2 rows" in logged[-1] and not os.path.exists(tmp)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
-        device_profile._co_load(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
+        co_load.start_peers(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
     assert time.monotonic() - t0 < 120  # not the start timeout's 300 s
 
 
