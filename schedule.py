@@ -6,21 +6,15 @@
     python schedule.py profile --cluster exp/clusters/cpu.yaml --gpu-type cpu --nominal measured --out exp/profiles/cpu.yaml
     python schedule.py --cluster exp/clusters/cpu.yaml --model exp/tiny-model --nproc 4 --profile exp/profiles/cpu.yaml
 
-The story (paper Algorithm 1), with every time/memory formula in cost_model.py:
-  Phase 1a  train_plan      enumerate DP x TP x PP (TP/DP groups of one GPU type, stages may differ in type),
-                            layers per stage proportional to stage compute, then rebalanced for memory; fastest wins.
-  Phase 1b  rollout_plan    a MILP (python-mip/CBC) over replica configs psi = (type, TP inside a machine; PP 1):
-                            maximise sum_psi y_psi h_psi under per-machine TP packing. Eq. 2 (min makespan Theta with
-                            x_psi * len / (y_psi h_psi) <= Theta) is bilinear in (Theta, y); with continuous x_psi the
-                            optimum assigns work proportional to throughput, x_psi = B y_psi h_psi / sum y h, so
-                            Theta* = B len / sum y h and minimising Theta == maximising sum y h: an integer knapsack.
-  Phase 2   partition       GPUs grouped per machine in a networkx graph; Eq. 3 picks the trainer set that maximises
-                            training-side link bandwidth + rollout-side HBM bandwidth at a compute share gamma;
-                            gamma is bisected until C_T ~ C_I (both directions, so training-bound workloads work too),
-                            then phases alternate with local moves until the step time is stable for K rounds.
-Then the plan both ways: `to_plan_json` writes the rank map train.py reads (and `planner_from_plan` reads it
-back), `format_table` / `plot_plan` show it, and `calibrate` fits the efficiency constants to measured steps;
-`profile` measures them on this machine's device instead (device_profile.profile_device; the only torch it imports).
+The story, top to bottom (paper Algorithm 1; the inputs are planner/specs.py, the search planner/search.py, every
+time and memory formula planner/cost_model.py):
+  plan          the whole cluster, or each whole-machine sub-cluster under --budget / --min-tokens-per-s, solved by
+                Planner.solve: phase 1a the trainer's DP x TP x PP layout, phase 1b the rollout replicas (a MILP on
+                CBC), phase 2 the split of the GPUs between them (a networkx partition bisected until the train and
+                rollout sides take as long, then local moves); a topology-blind split is one more candidate
+  to_plan_json  the rank map train.py reads, and planner_from_plan reads it back; format_table / plot_plan show it
+  main          the CLI: a plan (the default), `calibrate` (planner/calibration.py) and `profile` (this machine's
+                device, planner/device_profile.py, fitted by planner/profile_fit.py: the only torch the planner runs)
 """
 
 from __future__ import annotations
@@ -248,6 +242,24 @@ def to_plan_json(p: Planner, ev: Evaluation) -> dict:
             **({"rollout_tp": p.rollout_tp} if p.rollout_tp is not None else {}),
         },
     }
+
+
+def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
+    """Rebuild the Planner and per-machine trainer counts a plan JSON was made from (inputs are embedded)."""
+    inp = pj["inputs"]
+    cluster = specs.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
+    p = Planner(
+        cluster,
+        specs.model_from_config(inp["model"]),
+        Workload(**inp["workload"]),
+        Efficiency.from_dict(inp["efficiency"]),
+        rollout_tp=inp.get("rollout_tp"),
+        weight_bucket_mb=inp.get("weight_bucket_mb", 64.0),
+    )
+    counts = [0] * len(cluster.machines)
+    for r in pj["ranks"]:
+        counts[r["machine"]] += r["role"] == "train"
+    return p, tuple(counts)
 
 
 def format_table(plan_json: dict) -> str:
@@ -620,24 +632,6 @@ def refit_profile(path: str, out: str | None) -> int:
             doc[key] = fitted[key]
     doc["refitted_from"] = str(path)
     return write_profile(doc, out)
-
-
-def planner_from_plan(pj: dict) -> tuple[Planner, tuple[int, ...]]:
-    """Rebuild the Planner and per-machine trainer counts a plan JSON was made from (inputs are embedded)."""
-    inp = pj["inputs"]
-    cluster = specs.cluster_from_dict(inp["cluster"], "plan.inputs.cluster")
-    p = Planner(
-        cluster,
-        specs.model_from_config(inp["model"]),
-        Workload(**inp["workload"]),
-        Efficiency.from_dict(inp["efficiency"]),
-        rollout_tp=inp.get("rollout_tp"),
-        weight_bucket_mb=inp.get("weight_bucket_mb", 64.0),
-    )
-    counts = [0] * len(cluster.machines)
-    for r in pj["ranks"]:
-        counts[r["machine"]] += r["role"] == "train"
-    return p, tuple(counts)
 
 
 if __name__ == "__main__":

@@ -27,8 +27,9 @@ sys.path.insert(0, str(ROOT))
 
 import yaml  # noqa: E402
 
+from cpu_bench import co_load  # noqa: E402
 from cpu_bench.emulation import Emulation, Throttle  # noqa: E402
-from planner import device_profile  # noqa: E402
+from planner import device_profile, profile_models  # noqa: E402
 
 SHAPES = device_profile.PROFILE_SHAPES["cpu"]
 DIMS = SHAPES["models"][SHAPES["co_load_model"]]  # the tiny model, as the profile's co-load peers run it
@@ -59,24 +60,24 @@ def measure(decoder: Throttle, peers: list, types: dict, args, tmp: str) -> dict
     for i, (kind, type_name) in enumerate(peers):
         throttle = Throttle(types[type_name], type_name)
         if kind == "T":
-            target, fn_args = device_profile._co_load_trainer, (DIMS, (TRAIN, SHAPES["train_mb"]), throttle, i)
+            target, fn_args = co_load.trainer_peer, (DIMS, (TRAIN, SHAPES["train_mb"]), throttle, i)
             procs.append(ctx.Process(target=target, args=(*fn_args, ready, stop, done), daemon=True))
         elif kind == "D":
             shape = (args.batch, args.prompt, args.response)
-            procs.append(ctx.Process(target=device_profile._co_load_peer, args=(DIMS, shape, throttle, i, ready, stop, done),
+            procs.append(ctx.Process(target=co_load.decoder_peer, args=(DIMS, shape, throttle, i, ready, stop, done),
                                      daemon=True))  # fmt: skip
         else:  # a DP pair in lockstep, as the profile's co-load trainers run
             init = f"file://{tmp}/init-{i}-{time.time_ns()}"
-            procs += [ctx.Process(target=device_profile._co_load_trainer, args=(DIMS, (TRAIN, SHAPES["train_mb"]), throttle,
+            procs += [ctx.Process(target=co_load.trainer_peer, args=(DIMS, (TRAIN, SHAPES["train_mb"]), throttle,
                                                                      100 * i + r, ready, stop, done, (init, r, 2)),
                                   daemon=True) for r in range(2)]  # fmt: skip
     for p in procs:
         p.start()
     try:
         for _ in procs:
-            ready.get(timeout=device_profile.CO_LOAD_START_S)
+            ready.get(timeout=co_load.CO_LOAD_START_S)
         torch.set_num_threads(1)
-        hf, spec = device_profile._random_llama(*DIMS)
+        hf, spec = profile_models.random_llama(*DIMS)
         gen = Generator(hf, max_batch_size=args.batch, max_seq_len=args.prompt + args.response + 8)
         rng = torch.Generator().manual_seed(1)
         next_id = tokens = steps = 0

@@ -8,28 +8,21 @@ which stays in cost_model (no torch), this is the one place the planner side run
 from __future__ import annotations
 
 import platform
-import queue
-import shutil
 import tempfile
 import time
 from dataclasses import replace
 from datetime import timedelta
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from transformers import LlamaConfig, LlamaForCausalLM
 
-from config import TrainConfig
-from cpu_bench.emulation import Throttle
+from cpu_bench.co_load import decode_beside, start_peers
 from generator import Generator, SamplingParams
-from parallel.groups import build_groups
 from parallel.packing import dynamic_microbatches
-from parallel.trainer import Trainer
 from parallel.weight_sync import checksum
-from plan import make_train_plan
 from planner import cost_model, profile_fit, specs
+from planner.profile_models import PROFILE_MINIBATCHES, median, profiled_trainer, random_llama, random_trajectories
 
 
 def _device_name(torch, device) -> str:
@@ -43,12 +36,6 @@ def _device_name(torch, device) -> str:
     except OSError:
         pass
     return f"{name} (CPU, {torch.get_num_threads()} thread{'s' if torch.get_num_threads() > 1 else ''})"
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    n = len(xs)
-    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
 
 
 # Shapes the profile runs, per device kind. GEMMs are training micro-batch shapes (tokens x hidden x out); the
@@ -144,24 +131,6 @@ PROFILE_SHAPES = {
 }
 
 
-def _random_llama(h: int, i: int, layers: int, heads: int, kv: int, vocab: int):
-    """A random HF Llama of these dimensions (seeded: every process that builds it holds the same weights) and its
-    cost-model spec."""
-
-    cfg = LlamaConfig(
-        vocab_size=vocab,
-        hidden_size=h,
-        intermediate_size=i,
-        num_hidden_layers=layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv,
-        max_position_embeddings=4096,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    return LlamaForCausalLM(cfg), specs.model_from_config(cfg.to_dict(), f"llama-h{h}-l{layers}")
-
-
 def profile_device(
     gpu: specs.GPUType,
     seconds: float = 120.0,
@@ -213,7 +182,7 @@ def profile_device(
     A training step's work is padded by its CPU time in the runtime (after the step, or before each wait of a
     pipeline stage on its neighbours) and the link is padded by its wall time, exactly: neither is throttled here, the link and the TP and DP steps are not measured, and a planner given this
     machine's profile first keeps its training constants for every type (profile_fit.apply_profile).
-    `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (_co_load), each a
+    `co_load` (CPU): the decode and prefill points are measured beside that many peer processes (cpu_bench/co_load.start_peers), each a
     rollout replica of the CPU runs decoding under the same throttle, as the other ranks a run puts on this host
     are busy beside each rank: they share its cores' caches and memory bandwidth, and a memory-bound step's CPU
     time grows with them (docs/planner.md, "Where the error is"). `co_load_trainers` of the peers are train ranks
@@ -260,13 +229,13 @@ def profile_device(
         }
         log(f"co-load: the peers made {peer_steps} Generator steps meanwhile")
     if beside:
-        out["decode_beside"] = _decode_beside(
+        out["decode_beside"] = decode_beside(
             beside, throttle, co_load, co_load_trainers, shapes, shapes["decode_steps"],
             seconds * SHARE["beside"], bench.requests, log,
         )  # fmt: skip
     # (e) a training step of parallel.trainer.Trainer on one rank
     train = _profile_train(
-        _random_llama(*train_dims),
+        random_llama(*train_dims),
         shapes["train"] + shapes.get("train_split", []),
         shapes["train_mb"],
         bench.device,
@@ -375,7 +344,7 @@ class _Bench:
             t = fn()
             self.sync()
             times.append(t if isinstance(t, float) else self.clock() - t0)
-        return _median(times)
+        return median(times)
 
     def peaks(self, budget: float) -> tuple[list[float], float]:
         """(a) GEMM FLOP/s of each shape and (b) copy bandwidth (read + write), each point's median over `budget`."""
@@ -412,7 +381,7 @@ class _Bench:
         decode, prefill = [], []
         n_decode = len(models) * len(decode_pts) + min(compute_models, len(models)) * len(compute_pts)
         peers = (
-            _co_load(
+            start_peers(
                 co_load,
                 models[shapes["co_load_model"]],
                 shapes["co_load_batch"],
@@ -426,7 +395,7 @@ class _Bench:
         )
         try:
             for mi, dims in enumerate(models):
-                hf, spec = _random_llama(*dims)
+                hf, spec = random_llama(*dims)
                 hf = hf.to(device=self.device, dtype=self.dtype)
                 every = decode_pts + prefill_pts + (compute_pts if mi < compute_models else [])
                 gen = Generator(
@@ -493,261 +462,6 @@ def _faster_pass(passes: list[dict]) -> dict:
     return out
 
 
-def _decode_beside(
-    beside: dict,
-    throttle,
-    co_load: int,
-    trainers: int,
-    shapes: dict,
-    steps: int,
-    budget_s: float,
-    requests: _Requests,
-    log,
-) -> dict:
-    """(CPU, an emulated type) the co-load peers' decode step -- a rollout replica of the CPU runs: its model, batch
-    and prompt -- timed by the wall clock and by CPU time, `steps` steps at a time through this type's throttle
-    (`requests.step`), beside the co-load of `co_load` peers whose `trainers` train under each type's throttle in `beside` in
-    turn (its decoding peers stay this type's), for budget_s / len(beside) each after BESIDE_WARMUP_S (long enough
-    for every peer's first step; the budget several of the slowest trainers' steps, so that the decoder sees their
-    bursts and their pauses alike). Returns {"model", "model_config", "batch", "context", "bytes", "fraction" (this
-    type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with each point's medians per step."""
-
-    dims = shapes["models"][shapes["co_load_model"]]
-    batch, prompt, _ = shapes["co_load_batch"]
-    hf, spec = _random_llama(*dims)
-    gen = Generator(hf.float(), max_batch_size=batch, max_seq_len=prompt + steps + 8)
-    points = {}
-    for name, trainer_throttle in beside.items():
-        load = _co_load(
-            co_load, dims, shapes["co_load_batch"], throttle, log, trainers,
-            (shapes["co_load_train"], shapes["train_mb"]), trainer_throttle=trainer_throttle,
-        )  # fmt: skip
-        try:
-            walls, cpus = [], []
-            time.sleep(BESIDE_WARMUP_S)
-            until = time.perf_counter() + budget_s / len(beside)
-            while len(walls) < 3 or (time.perf_counter() < until and len(walls) < 200):
-                requests.add(gen, spec.vocab, batch, prompt, steps + 3)
-                requests.step(gen)  # prefill and the first token: the timed steps are decode only
-                w0, c0 = time.perf_counter(), time.process_time()
-                for _ in range(steps):
-                    requests.step(gen)
-                walls.append((time.perf_counter() - w0) / steps)
-                cpus.append((time.process_time() - c0) / steps)
-                requests.drain(gen)
-        finally:
-            load.close()
-        points[name] = {"wall_s": _median(walls), "cpu_s": _median(cpus), "runs": len(walls)}
-        log(
-            f"beside:  {trainers} {name} trainer{'s' if trainers > 1 else ''}: decode step {points[name]['wall_s'] * 1e3:.2f} "
-            f"ms wall, {points[name]['cpu_s'] * 1e3:.2f} ms CPU ({len(walls)} x {steps} steps)"
-        )
-    return {
-        "model": list(dims),
-        "model_config": spec.to_config(),
-        "batch": batch,
-        "context": prompt + (steps + 1) / 2,  # the mean K/V length the timed steps read
-        "bytes": 4,  # fp32 on CPU
-        "fraction": throttle.emulation.fraction("bandwidth"),
-        "points": points,
-    }
-
-
-BESIDE_WARMUP_S = 5.0  # the decode_beside co-load runs this long before its points are timed
-CO_LOAD_START_S = 300  # every co-load peer has built its model and started decoding within this
-
-
-class _CoLoad:
-    """Running co-load peers (_co_load); close() stops them and returns the Generator steps each one made."""
-
-    def __init__(self, procs: list, stop, done, tmp: str | None = None) -> None:
-        self.procs, self.stop, self.done, self.tmp = procs, stop, done, tmp
-
-    def close(self) -> list[int]:
-        """Stop the peers; their step counts in order. A peer that died before it reported makes the co-load
-        partial, and the points measured beside it wrong: that is an error naming it, not a quieter profile."""
-
-        self.stop.set()
-        steps: dict[int, int] = {}
-        until = time.monotonic() + 60
-        while len(steps) < len(self.procs) and time.monotonic() < until:
-            try:
-                seed, n = self.done.get(timeout=0.5)
-                steps[seed] = n
-            except queue.Empty:
-                if all(p.exitcode is not None for p in self.procs) and self.done.empty():
-                    break
-        lost = [i for i in range(len(self.procs)) if i not in steps]
-        self.kill()
-        if lost:
-            raise RuntimeError(
-                f"co-load: peers {lost} died while the points were measured (their load is missing from them)"
-            )
-        return [steps[i] for i in sorted(steps)]
-
-    def kill(self) -> None:
-
-        for p in self.procs:
-            p.kill()
-            p.join(timeout=30)
-        self.procs = []
-        if self.tmp:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-
-
-def _co_load_trainer(dims: tuple, train: tuple, throttle, seed: int, ready, stop, done, group=None) -> None:
-    """One co-load train peer (a spawned process, one thread): Trainer.train_step of a random Llama of `dims` over
-    `train` = ((trajectories, prompt, response), micro_batch_tokens), each step padded by `throttle`'s compute
-    fraction (None: back to back), until `stop` is set; then it reports its steps on `done` under `seed`. `group`
-    (init method, rank, world size): one rank of a DP group of train peers, which step in lockstep as a plan's DP
-    trainers do (their bursts coincide at every gradient all-reduce; rank 0 says when to stop, so all leave at the
-    same step); None: a gloo world of its own."""
-
-    torch.set_num_threads(1)
-    (n, prompt, response), micro_batch_tokens = train
-    throttle = throttle or Throttle()
-    with tempfile.TemporaryDirectory() as tmp:
-        init, rank, world = group or (f"file://{tmp}/init", 0, 1)
-        dist.init_process_group("gloo", init_method=init, rank=rank, world_size=world)
-        hf, spec = _random_llama(*dims)
-        trainer = _profiled_trainer(hf, spec, 1, micro_batch_tokens, torch.device("cpu"), torch.float32, dp=world)
-        batch = _random_trajectories(spec.vocab, n, prompt, response, seed if world == 1 else 0)  # one batch a group
-        go, steps = torch.zeros(1), 0
-        ready.put(seed)
-        while True:
-            go.fill_(0.0 if stop.is_set() else 1.0)
-            if world > 1:
-                dist.broadcast(go, src=0)
-            if not go.item():
-                break
-            with throttle.piece("compute"):
-                trainer.train_step(batch)
-            steps += 1
-        dist.destroy_process_group()
-    done.put((seed, steps))
-
-
-def _co_load_peer(dims: tuple, shape: tuple, throttle, seed: int, ready, stop, done) -> None:
-    """One co-load peer (a spawned process, one thread): a rollout replica's decode loop -- `shape` (batch, prompt,
-    response) requests on a random Llama of `dims`, refilled whenever all have finished -- every Generator step
-    through `throttle` (None: back to back), until `stop` is set; then it reports its steps on `done`."""
-
-    torch.set_num_threads(1)
-    batch, prompt, response = shape
-    hf, spec = _random_llama(*dims)
-    gen = Generator(hf, max_batch_size=batch, max_seq_len=prompt + response + 8)
-    rng = torch.Generator().manual_seed(seed)
-    next_id = steps = 0
-    ready.put(seed)
-    while not stop.is_set():
-        if not gen.num_unfinished():
-            for p in torch.randint(0, spec.vocab, (batch, prompt), generator=rng).tolist():
-                next_id += 1
-                gen.add_request(next_id, p, SamplingParams(max_new_tokens=response, seed=next_id))
-        gen.step() if throttle is None else throttle.generator_step(gen)
-        steps += 1
-    done.put((seed, steps))
-
-
-def _co_load(
-    peers: int, dims: tuple, shape: tuple, throttle, log, trainers: int = 0, train: tuple = (), trainer_throttle=None
-) -> _CoLoad:
-    """Start `peers` co-load peers, the first `trainers` of them train peers (_co_load_trainer, `train` their
-    shape, under `trainer_throttle`, another type's, when one is given, else `throttle`; in DP pairs, the last alone
-    when their count is odd: a plan's trainers are DP groups whose bursts coincide, and a decoder beside such a pair
-    waits for a core more than beside independent trainers), the rest decoding ones (_co_load_peer, under
-    `throttle`), and wait until every one works; a peer that fails to start stops the profile with one error naming
-    it, the others stopped."""
-
-    ctx = mp.get_context("spawn")
-    ready, stop, done = ctx.Queue(), ctx.Event(), ctx.Queue()
-    tmp = tempfile.mkdtemp(prefix="co_load-")  # the DP pairs' rendezvous files
-
-    def group(i: int):
-        pair = i // 2
-        if 2 * pair + 1 >= trainers:  # the odd one out
-            return None
-        return f"file://{tmp}/dp{pair}", i % 2, 2
-
-    procs = [
-        ctx.Process(
-            target=_co_load_trainer,
-            args=(dims, train, trainer_throttle or throttle, i, ready, stop, done, group(i)),
-            daemon=True,
-        )
-        if i < trainers
-        else ctx.Process(target=_co_load_peer, args=(dims, shape, throttle, i, ready, stop, done), daemon=True)
-        for i in range(peers)
-    ]
-    load = _CoLoad(procs, stop, done, tmp)
-    for p in procs:
-        p.start()
-    started, until = 0, time.monotonic() + CO_LOAD_START_S
-    while started < peers:
-        dead = [i for i, p in enumerate(procs) if p.exitcode is not None]
-        if dead or time.monotonic() > until:
-            load.kill()
-            why = (
-                f"peers {dead} exited"
-                if dead
-                else f"{peers - started} did not start decoding within {CO_LOAD_START_S} s"
-            )
-            raise RuntimeError(f"co-load of {peers} peer processes: {why} (each builds a random Llama and decodes)")
-        try:
-            ready.get(timeout=1.0)
-            started += 1
-        except queue.Empty:
-            pass
-    decoding = f"{peers - trainers} decoding {shape[0]} rows" if peers > trainers else ""
-    training = f"{trainers} training" + (" in DP pairs" if trainers > 1 else "") if trainers else ""
-    if trainers and trainer_throttle is not None:
-        training += f" as {trainer_throttle.type_name}"
-    log(f"co-load: {peers} peer{'s' if peers > 1 else ''} ({', '.join(x for x in (training, decoding) if x)}) "
-        "working")  # fmt: skip
-    return load
-
-
-def _random_trajectories(vocab: int, n: int, prompt: int, response: int, seed: int) -> list:
-    """n random trajectories of these lengths (seeded: every rank of a TP step builds the same batch)."""
-
-    rng = torch.Generator().manual_seed(seed)
-    out = []
-    for i in range(n):
-        ids = torch.randint(0, vocab, (prompt + response,), generator=rng).tolist()
-        out.append(
-            SimpleNamespace(
-                prompt_id=i,
-                sample_idx=0,
-                prompt_ids=ids[:prompt],
-                response_ids=ids[prompt:],
-                behav_logprobs=(-9.0 + 0.1 * torch.randn(response, generator=rng)).tolist(),
-                versions=[0] * response,
-                reward=0.0,
-                advantage=float(torch.randn((), generator=rng)),
-            )
-        )
-    return out
-
-
-PROFILE_MINIBATCHES = 2  # PPO minibatches of a profiled train step: the proximal recompute runs, as in RL runs
-
-
-def _profiled_trainer(hf, spec, tp: int, micro_batch_tokens: int, device, dtype, dp: int = 1):
-    """The Trainer a profile times: one stage of every layer over dp x tp ranks (the world), 2 PPO minibatches (so the
-    proximal log-prob recompute runs: the 4 passes specs.Workload().train_passes counts); over DP without FSDP, as the
-    CPU recipes train (exp/configs/cpu_demo.yaml: train.shard_state false)."""
-
-    groups = build_groups(make_train_plan(dp, tp, 1, [(0, spec.layers)]))
-    cfg = TrainConfig(
-        lr=1e-6,
-        ppo_minibatches=PROFILE_MINIBATCHES,
-        micro_batch_tokens=micro_batch_tokens,
-        min_microbatches=1,
-        shard_state=False,
-    )
-    return Trainer(hf, groups, cfg, device, compute_dtype=dtype)
-
-
 def _train_point(
     spec, optimizer_steps: int, n: int, prompt: int, response: int, step_s: float, micro_batch_tokens: int
 ) -> dict:
@@ -785,8 +499,8 @@ def _profile_train(hf_and_spec, points, micro_batch_tokens: int, device, dtype, 
             for seed, (n, prompt, response, *mb) in enumerate(points):
                 mb = mb[0] if mb else micro_batch_tokens
                 if mb not in trainers:
-                    trainers[mb] = _profiled_trainer(hf, spec, 1, mb, device, dtype)
-                batch = _random_trajectories(spec.vocab, n, prompt, response, seed)
+                    trainers[mb] = profiled_trainer(hf, spec, 1, mb, device, dtype)
+                batch = random_trajectories(spec.vocab, n, prompt, response, seed)
                 t = timed(lambda batch=batch, trainer=trainers[mb]: trainer.train_step(batch), budget_s / len(points))
                 rows.append(_train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, t, mb))
             del trainers
@@ -815,11 +529,11 @@ def _parallel_step_loop(
     )
     medians = []
     try:
-        hf, spec = _random_llama(*dims)
-        trainer = _profiled_trainer(hf, spec, tp, micro_batch_tokens, torch.device("cpu"), torch.float32, dp=dp)
+        hf, spec = random_llama(*dims)
+        trainer = profiled_trainer(hf, spec, tp, micro_batch_tokens, torch.device("cpu"), torch.float32, dp=dp)
         go, took = torch.zeros(1), torch.zeros(1, dtype=torch.float64)
         for seed, point in points:
-            batch = _random_trajectories(spec.vocab, *point, seed=seed)
+            batch = random_trajectories(spec.vocab, *point, seed=seed)
             times: list[float] = []
             until = time.perf_counter() + budget_s / len(points)
             while True:
@@ -833,7 +547,7 @@ def _parallel_step_loop(
                 took.fill_(time.process_time() - t0)
                 dist.all_reduce(took, op=dist.ReduceOp.MAX)
                 times.append(float(took.item()))
-            medians.append(_median(times[1:]))
+            medians.append(median(times[1:]))
         del trainer
     finally:
         dist.destroy_process_group()
@@ -956,7 +670,7 @@ def _profile_link(sizes: list[int], budget_s: float) -> dict:
                 runs, until = [], time.perf_counter() + budget
                 while len(runs) < 3 or (time.perf_counter() < until and len(runs) < 50):
                     runs.append(hop(n))
-                return {"bytes": n, "hop_s": _median([c for c, _ in runs]), "wall_s": _median([w for _, w in runs])}
+                return {"bytes": n, "hop_s": median([c for c, _ in runs]), "wall_s": median([w for _, w in runs])}
 
             per = budget_s / (len(sizes) + 1)
             latency = median_hop(8, per)["hop_s"]

@@ -599,7 +599,7 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
 
 
 def decode_beside_fit(measured: dict | None, gpu: GPUType, te: TypeEfficiency) -> dict[str, float]:
-    """TypeEfficiency.decode_beside from a profile's `decode_beside` points (device_profile._decode_beside): for each
+    """TypeEfficiency.decode_beside from a profile's `decode_beside` points (cpu_bench/co_load.decode_beside): for each
     neighbour type, the step's measured wall seconds over what the profile's own decode constants `te` price that
     step's CPU work at (decode_round_s of its model, batch and context on `gpu`) at the type's bandwidth fraction.
     So the fit gives how a step's cost moves with the model, batch and context, and these points, each timed over

@@ -44,13 +44,16 @@ def test_estimate_within_15_percent_of_measured_peak_two_models_two_layouts():
 
 
 def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error():
-    """device_profile._co_load: two peers decode (each reports its steps when stopped, more the longer they ran); a
+    """cpu_bench/co_load.start_peers: two peers decode (each reports its steps when stopped, more the longer they ran); a
     peer that cannot build its model stops the start at once with one error naming it, and no peer is left."""
     import time
 
-    import device_profile as dp
+    from cpu_bench import co_load
+    from planner import device_profile
 
-    load = dp._co_load(3, dp.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64))
+    load = co_load.start_peers(
+        3, device_profile.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64)
+    )
     time.sleep(1.0)
     procs = list(load.procs)
     steps = load.close()
@@ -58,7 +61,9 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert all(not p.is_alive() for p in procs)
     # three train peers: a DP pair in lockstep (both leave at the same step) and one alone, beside a decoder
     logged = []
-    load = dp._co_load(4, dp.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64))
+    load = co_load.start_peers(
+        4, device_profile.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64)
+    )
     time.sleep(2.0)
     tmp = load.tmp
     steps = load.close()
@@ -66,7 +71,7 @@ def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error()
     assert "3 training in DP pairs, 1 decoding 2 rows" in logged[-1] and not os.path.exists(tmp)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
-        dp._co_load(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
+        co_load.start_peers(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
     assert time.monotonic() - t0 < 120  # not the start timeout's 300 s
 
 
