@@ -29,11 +29,13 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-
-import datasets
+from typing import TYPE_CHECKING
 
 import reward_math
 from errors import HexrlError
+
+if TYPE_CHECKING:  # imported where used: a rank that loads no data skips its ~3 s import
+    import datasets
 
 NAMES = ["Ann", "Ben", "Cleo", "Dev", "Eli", "Fay", "Gus", "Hana", "Ivo", "Jun", "Kai", "Lea"]
 ITEMS = ["apples", "stamps", "coins", "books", "shells", "cards", "pens", "beads", "marbles", "eggs"]
@@ -132,6 +134,8 @@ def make_arith_dataset(num_train: int, num_test: int, seed: int = 0) -> datasets
         )
     for i, row in enumerate(rows):
         row["prompt_id"] = i
+    import datasets
+
     return datasets.DatasetDict(
         {"train": datasets.Dataset.from_list(rows[num_test:]), "test": datasets.Dataset.from_list(rows[:num_test])}
     )
@@ -295,6 +299,8 @@ def _hub_offline() -> bool:
 
 
 def _read_hub(hub_id: str, config: str | None, split: str) -> list[tuple[int, object]]:
+    import datasets
+
     ds = datasets.load_dataset(hub_id, config, split=split)
     return list(enumerate(ds, start=1))
 
@@ -360,6 +366,8 @@ def _build(
             f"{origin}: no usable rows ({bad} bad of {len(rows)}); check the field mapping "
             f"question={fields.question!r} answer={fields.answer!r}"
         )
+    import datasets
+
     features = datasets.Features(
         {"prompt_id": datasets.Value("int64"), "question": datasets.Value("string"), "answer": datasets.Value("string")}
     )
