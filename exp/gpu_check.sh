@@ -72,7 +72,8 @@ PY
 stage() { echo "== $1 [at ${SECONDS} s]"; }
 
 gpu_tests() {
-  timeout "${TEST_TIMEOUT:-270}" "$PYTHON" -m pytest -q -p no:cacheprovider --durations=8 tests/gpu/test_gpu.py
+  # -o addopts=: one process on the one GPU (and the GPU image may lack pytest-xdist, which addopts names)
+  timeout "${TEST_TIMEOUT:-270}" "$PYTHON" -m pytest -o addopts= -q -p no:cacheprovider --durations=8 tests/gpu/test_gpu.py
 }
 
 colocated_runs() {

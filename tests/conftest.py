@@ -1,12 +1,14 @@
-"""The tiers are folders: unit/ (one process), dist/ (gloo workers the test starts), e2e/ (entry points run as
-processes: torchrun train.py, the CLIs, exp scripts), gpu/ (CUDA only). `pytest tests` runs them all; any folder or
-file runs alone from the repository root."""
+"""The tiers are folders: unit/ (one process), compiled/ (torch.compile'd steps: inductor runs a C++ compiler),
+dist/ (gloo workers the test starts), e2e/ (entry points run as processes: torchrun train.py, the CLIs, exp
+scripts), gpu/ (CUDA only). `pytest tests` runs them all; any folder or file runs alone from the repository root."""
 
+import os
 import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+import torch
 import torch.distributed as dist
 
 TESTS = Path(__file__).resolve().parent
@@ -15,7 +17,10 @@ sys.path[:0] = [str(p) for p in (TESTS / "support", TESTS / "unit") if str(p) no
 
 from tiny import build_tiny_model  # noqa: E402  (tiny puts the repository and exp/ on sys.path)
 
-pytest_plugins = ["cputime"]  # --cpu-durations=N
+pytest_plugins = ["cputime", "alone"]  # --cpu-durations=N; @pytest.mark.alone
+
+if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the cores are shared by the workers: no thread waits for another's
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
 @pytest.fixture(scope="session")

@@ -41,11 +41,27 @@ def pytest_addoption(parser):
     parser.addoption("--cpu-durations", type=int, default=None, metavar="N", help="show the N costliest tests in CPU s")
 
 
+_started: dict[str, tuple[float, float]] = {}
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item, nextitem):
-    cpu, wall = _cpu_s(), time.perf_counter()
+    _started[item.nodeid] = (_cpu_s(), time.perf_counter())
     yield
-    _costs.append((_cpu_s() - cpu, time.perf_counter() - wall, item.nodeid))
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    if call.when == "teardown" and item.nodeid in _started:  # the cost rides on the report: xdist sends it home
+        cpu, wall = _started.pop(item.nodeid)
+        outcome.get_result().user_properties.append(("cost_s", (_cpu_s() - cpu, time.perf_counter() - wall)))
+
+
+def pytest_runtest_logreport(report):
+    for name, value in report.user_properties if report.when == "teardown" else ():
+        if name == "cost_s":
+            _costs.append((*value, report.nodeid))
 
 
 def pytest_terminal_summary(terminalreporter, config):

@@ -23,6 +23,7 @@ def busy(seconds: float) -> None:
         pass
 
 
+@pytest.mark.alone  # times the wall clock
 @pytest.mark.parametrize("kind, fraction", [("compute", 0.5), ("bandwidth", 0.25), ("link", 0.8)])
 def test_a_piece_measured_at_t_takes_t_over_the_fraction(kind, fraction):
     throttle = Throttle(Emulation(**{kind: fraction}))
@@ -37,6 +38,7 @@ def test_a_piece_measured_at_t_takes_t_over_the_fraction(kind, fraction):
     assert throttle.pad(other, 0.04) == 0.0  # other kinds run at full speed
 
 
+@pytest.mark.alone  # times the wall clock
 @pytest.mark.parametrize("kind", ["compute", "bandwidth"])
 def test_a_work_piece_costs_its_cpu_time_so_sharing_a_core_does_not_slow_it_further(kind):
     """Half of the piece the thread is off the CPU (as when another rank holds the core): the piece still takes
@@ -52,6 +54,7 @@ def test_a_work_piece_costs_its_cpu_time_so_sharing_a_core_does_not_slow_it_furt
     assert statistics.median(took) == pytest.approx(0.02 / 0.25, rel=0.15)
 
 
+@pytest.mark.alone  # times the wall clock
 def test_a_link_piece_is_a_wait_and_costs_its_wall_time():
     """A link piece that sleeps (no CPU) is padded by its wall time, whatever the sleep really took on a loaded
     host: the piece measured at t takes t / fraction."""
@@ -73,6 +76,7 @@ def cpu_busy(seconds: float) -> None:
         pass
 
 
+@pytest.mark.alone  # times the wall clock
 def test_a_wait_inside_a_piece_pads_the_work_before_it_and_is_not_work():
     """work, a wait on another rank, work: each stretch of work takes cpu / fraction when it runs, and the wait
     adds its own length -- the wait neither absorbs the padding (as a piece padded once at its end would let it)
@@ -103,6 +107,7 @@ def test_a_contended_piece_past_its_fraction_is_not_padded():
     assert throttle.pad("compute", 0.05, cpu_seconds=0.04) == pytest.approx(0.03)
 
 
+@pytest.mark.alone  # times the wall clock
 def test_no_emulation_and_full_speed_are_free():
     for throttle in (Throttle(), Throttle(Emulation())):
         t0 = time.perf_counter()
@@ -156,6 +161,7 @@ def test_the_plan_carries_the_emulation_to_each_rank():
     assert "emulate" not in json.dumps(plain.to_dict())  # shipped clusters unchanged
 
 
+@pytest.mark.alone  # times the wall clock
 def test_a_generator_step_pads_prefill_by_compute_and_the_rest_by_bandwidth():
     from rollout import RolloutWorker
 

@@ -29,6 +29,7 @@ def warm_verifier():
 # --- acceptance 1: every GSM8K reference solution scores 1.0, altered final number scores 0.0 -----------------
 
 
+@pytest.mark.alone  # times the wall clock
 def test_gsm8k_test_split_reference_solutions():
     with open(GSM8K_TEST) as f:
         rows = [json.loads(line) for line in f]
@@ -198,6 +199,7 @@ ADVERSARIAL = [
 ]
 
 
+@pytest.mark.alone  # times the wall clock
 @pytest.mark.parametrize("name, response", ADVERSARIAL, ids=[n for n, _ in ADVERSARIAL])
 def test_adversarial_inputs_are_bounded(name, response):
     rm.warm_up()  # a previous case may have killed the worker: time the call, not a worker's startup
@@ -236,6 +238,7 @@ def test_scaled():
 # --- RewardPool -----------------------------------------------------------------------------------------------
 
 
+@pytest.mark.alone  # times the wall clock
 def test_reward_pool_matches_score_details_and_kills_timeouts():
     jobs = {
         "fast-right": ("\\boxed{-12}", "-12"),
