@@ -137,13 +137,27 @@ def resolve_dtype(cfg: Config, device: torch.device) -> torch.dtype:
     return getattr(torch, cfg.model.dtype)
 
 
+def check_model_path(path: str) -> None:
+    local = Path(path)
+    if (local.is_absolute() or path.startswith(".") or path.startswith("exp/")) and not local.exists():
+        raise SetupError(f"model.path '{path}' does not exist")
+
+
+def model_num_layers(cfg: Config) -> int:
+    """The model's layer count for the plan checks, from a local model directory's config.json where it names it:
+    transformers is not imported yet (seconds a rank), so a launch with a bad plan stops early."""
+    check_model_path(cfg.model.path)
+    try:
+        return int(json.loads((Path(cfg.model.path) / "config.json").read_text())["num_hidden_layers"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return load_tokenizer_and_config(cfg)[1].num_hidden_layers
+
+
 def load_tokenizer_and_config(cfg: Config):
     from transformers import AutoConfig, AutoTokenizer
 
     path = cfg.model.path
-    local = Path(path)
-    if (local.is_absolute() or path.startswith(".") or path.startswith("exp/")) and not local.exists():
-        raise SetupError(f"model.path '{path}' does not exist")
+    check_model_path(path)
     try:
         tok = AutoTokenizer.from_pretrained(path)
         hf_config = AutoConfig.from_pretrained(path)
@@ -646,14 +660,11 @@ def main(argv: list[str]) -> int:
     cfg = load_config(argv)
     device = init_distributed(cfg)
     rank, world = dist.get_rank(), dist.get_world_size()
-    tok, hf_config = load_tokenizer_and_config(cfg)
-    plan = (
-        load_plan(cfg.plan.path)
-        if cfg.plan.path
-        else default_plan(world, hf_config.num_hidden_layers, cfg.plan.num_rollout)
-    )
-    check_plan(plan, world, hf_config.num_hidden_layers)
+    num_layers = model_num_layers(cfg)
+    plan = load_plan(cfg.plan.path) if cfg.plan.path else default_plan(world, num_layers, cfg.plan.num_rollout)
+    check_plan(plan, world, num_layers)
     check_launch(plan, device, os.environ)  # collective: each rank is where the plan put it, or every rank stops
+    tok, hf_config = load_tokenizer_and_config(cfg)
     torch.manual_seed(cfg.train.seed)
 
     from parallel.groups import build_groups

@@ -1,10 +1,15 @@
-"""Fault tolerance, end to end on CPU (4 ranks: 2 train, 2 rollout, tiny model).
+"""Fault tolerance, end to end on CPU (tiny model; 2 train ranks and rollout replicas as planned).
 
-* SIGKILL a train rank / a rollout rank at a random step, relaunch with resume=auto until the steps are done;
-  the ledger must show every planned trajectory consumed exactly once, monotonic versions, the staleness bound for
-  every token before and after the restart, and metrics.jsonl must hold each step exactly once, in order.
-* SIGSTOP a rollout rank: the head drops it within dist.rollout_timeout_s, re-queues its groups, finishes with the
-  other rollout rank, and exits non-zero naming the stuck rank (so the launcher reclaims it).
+* SIGKILL a train rank, then (after the first resume) TP follower 3 of a TP-2 replica, at random steps, on a plan with
+  an idle rank; relaunch with resume=auto until the steps are done (one run, three tests): the ledger must show every
+  planned trajectory consumed exactly once, monotonic versions, the staleness bound for every token before and after
+  the restart, metrics.jsonl each step exactly once, in order; layout.json what the plan says, the idle rank named
+  and waiting to the end.
+* SIGSTOP a TP-1 rollout rank and a TP follower (6 ranks: 2 train, a TP-2 and two TP-1 replicas): the head drops the
+  plain rank within dist.rollout_timeout_s and the whole TP-2 replica (its leader stalls in the replica's
+  collective), re-queues their groups, finishes with the other replica, and exits non-zero naming every stuck rank
+  (so the launcher reclaims them).
+* A rollout relay and a machine-mate lost mid weight sync (stopped or killed; two runs, each losing one of each).
 Set HEXRL_FAULT_SEED to replay a failure (the seed is in every assertion message). The head's side of these faults,
 in process: tests/unit/test_head_faults.py.
 """
@@ -22,6 +27,8 @@ from pathlib import Path
 
 import pytest
 from tiny import ENV, ROOT
+
+from plan import layout_mismatches, make_train_plan
 
 STEPS, B, G = 6, 2, 4
 
@@ -149,22 +156,54 @@ def resumed_step(prefix: Path) -> int | None:
     return int(lines[0].split("step_")[1].split()[0]) if lines else None
 
 
-def test_sigkill_train_then_rollout_rank_resume_exactly_once(tmp_path, tiny_model_dir):
-    """Two crashes in one run: a train rank, then (after the first resume) a rollout rank, at random steps."""
+def replica_plan(path: Path, num_layers: int, replicas: list[tuple[list[int], float]], idle: int = 0) -> Path:
+    """Two DP train ranks (0, 1), the given rollout replicas (ranks, share) and `idle` idle ranks, on machine 0."""
+    world = 2 + sum(len(ranks) for ranks, _ in replicas) + idle
+    plan = make_train_plan(2, 1, 1, [(0, num_layers)], world_size=world)
+    for entry in plan["ranks"]:
+        entry.update(machine=0, gpu_type="cpu")
+    for entry in plan["ranks"][world - idle :]:
+        entry["idle"] = True
+    plan["rollout"] = {
+        "replicas": [
+            {"id": i, "gpu_type": "cpu", "tp": len(ranks), "pp": 1, "ranks": ranks, "share": share}
+            for i, (ranks, share) in enumerate(replicas)
+        ]
+    }
+    path.write_text(json.dumps(plan))
+    return path
+
+
+def layers_of(model_dir: Path) -> int:
+    return json.loads((model_dir / "config.json").read_text())["num_hidden_layers"]
+
+
+@pytest.fixture(scope="module")
+def crash_run(tmp_path_factory, tiny_model_dir):
+    """One run audited by the three tests below. 5 ranks: 2 train, a TP-2 replica [2, 3], idle rank 4; small weight
+    buckets (every version reaches the TP ranks in many pieces, applied one at a time). Two crashes: a train rank,
+    then (after the first resume) TP follower 3, at random steps; then a relaunch with resume=auto to the end."""
     seed = int(os.environ.get("HEXRL_FAULT_SEED", random.randrange(10**6)))
     rng = random.Random(seed)
     eta = rng.choice([0, 1, 2])
     k1, train_victim = rng.randint(1, 3), rng.choice([0, 1])
-    k2, rollout_victim = rng.randint(k1 + 1, STEPS - 1), rng.choice([2, 3])
-    note = f"HEXRL_FAULT_SEED={seed}: eta {eta}, kill rank {train_victim} at step {k1}, rank {rollout_victim} at {k2}"
+    k2 = rng.randint(k1 + 1, STEPS - 1)
+    note = f"HEXRL_FAULT_SEED={seed}: eta {eta}, kill rank {train_victim} at step {k1}, TP follower 3 at {k2}"
+    tmp_path = tmp_path_factory.mktemp("crash")
+    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 1.0)], idle=1)
     run = tmp_path / "r"
-    args = base_args(tiny_model_dir, tmp_path, eta)
+    args = base_args(tiny_model_dir, tmp_path, eta, [f"plan={plan}", "dist.weight_bucket_mb=0.02"])
 
-    done = kill_at(args, run, tmp_path / "launch0", k1, train_victim, note)
-    done = max(done, kill_at(args, run, tmp_path / "launch1", k2, rollout_victim, note))
-    proc = launch(args, tmp_path / "launch2")
+    done = kill_at(args, run, tmp_path / "launch0", k1, train_victim, note, nproc=5)
+    done = max(done, kill_at(args, run, tmp_path / "launch1", k2, 3, note, nproc=5))
+    proc = launch(args, tmp_path / "launch2", nproc=5)
     assert finish(proc) == 0, f"{note}\n" + (tmp_path / "launch2.err").read_text()[-3000:]
+    return tmp_path, plan, run, eta, done, note
 
+
+def test_sigkill_train_then_rollout_rank_resume_exactly_once(crash_run):
+    """Two crashes in one run: a train rank, then (after the first resume) a rollout rank, at random steps."""
+    tmp_path, _, run, eta, done, note = crash_run
     for prefix, before in (("launch1", None), ("launch2", done)):
         step = resumed_step(tmp_path / prefix)
         if before is not None:  # the newest complete checkpoint (or the one before it,
@@ -202,36 +241,78 @@ def test_sigkill_train_then_rollout_rank_resume_exactly_once(tmp_path, tiny_mode
         assert moments(s) == 2 * numel(s), note
 
 
+def test_tp2_replica_trains_exactly_once_and_an_idle_rank_waits(crash_run):
+    tmp_path, plan, run, eta, _, note = crash_run
+    assert "[rank 4] idle: the plan gives this rank no role" in (tmp_path / "launch2.err").read_text()
+    assert (
+        "hexrl: rollout replicas 0: ranks [2, 3] share 1.000; idle ranks [4]" in (tmp_path / "launch2.out").read_text()
+    )
+    check_run(run, eta, f"TP-2 replica; {note}")
+    lines = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+    assert all(m["replica0_token_share"] == m["replica0_planned_share"] == 1.0 for m in lines if "loss" in m)
+    import torch
+
+    shards = [  # the two train ranks' FSDP shards: together the model
+        torch.load(run / "checkpoints" / f"step_{STEPS}" / f"train_rank{r}.pt", weights_only=True)["trainer"]["model"]
+        for r in (0, 1)
+    ]
+    model_bytes = sum(t.numel() * 4 for s in shards for t in s.values())  # fp32 on CPU, sent to the one leader
+    for m in (m for m in lines if "loss" in m):  # the model once (+ each bucket's checksum), as the planner says
+        assert m["weight_sync_bytes"] == m["weight_sync_predicted_bytes"], m
+        assert model_bytes < m["weight_sync_bytes"] < 1.01 * model_bytes and m["weight_sync_dtype"] == "float32", m
+    layout = json.loads((run / "layout.json").read_text())  # what ran, rank by rank, is what was planned
+    assert layout_mismatches(json.loads(plan.read_text()), layout) == []
+    roles = [(r["role"], r["replica"], r["tp_rank"]) for r in layout[2:]]
+    assert roles == [("rollout", 0, 0), ("rollout", 0, 1), ("idle", None, None)]
+
+
+def test_sigkill_tp_follower_then_resume_exactly_once(crash_run):
+    tmp_path, _, run, eta, done, note = crash_run
+    step = resumed_step(tmp_path / "launch2")
+    assert step is not None and step <= done and step % 2 == 0, (note, done, step)
+    check_run(run, eta, note)
+
+
+@pytest.mark.alone  # times the drop against dist.rollout_timeout_s
 def test_stuck_rollout_rank_is_dropped_and_named(tmp_path, tiny_model_dir):
-    run = tmp_path / "r"
-    timeout = 4
-    proc = launch(base_args(tiny_model_dir, tmp_path, 1, [f"dist.rollout_timeout_s={timeout}"]), tmp_path / "stop")
+    """6 ranks: 2 train, a TP-2 replica [2, 3], TP-1 replicas [4] and [5]. After step 1, SIGSTOP rollout rank 5 and
+    TP follower 3: rank 5 is dropped within the timeout; 3's leader stalls in the replica's collective and the head
+    drops the replica [2, 3]; replica [4] finishes the run."""
+    plan = replica_plan(tmp_path / "plan.json", layers_of(tiny_model_dir), [([2, 3], 0.5), ([4], 0.25), ([5], 0.25)])
+    run, timeout = tmp_path / "r", 4
+    # the process-group timeout outlasts the run, so the stalled leader is dropped by the head, not by gloo
+    args = base_args(tiny_model_dir, tmp_path, 1, [f"plan={plan}", f"dist.rollout_timeout_s={timeout}"])
+    proc = launch([*args, "dist.timeout_s=400"], tmp_path / "stop", nproc=6)
     wait_until(lambda: len(step_lines(run)) >= 1, proc, 180, "step 1")
     pids = worker_pids(proc.pid)
+    os.kill(pids[5], signal.SIGSTOP)
     os.kill(pids[3], signal.SIGSTOP)
     t_stop = time.monotonic()
     err = tmp_path / "stop.err"
     try:
-        wait_until(lambda: "warning: rollout rank 3" in err.read_text(), proc, timeout + 60, "rank 3 dropped")
+        wait_until(lambda: "warning: rollout rank 5" in err.read_text(), proc, timeout + 60, "rank 5 dropped")
         t_dropped = time.monotonic() - t_stop
-        # the head finishes without it, then exits non-zero so the launcher reclaims the stuck process
-        wait_until(lambda: not Path(f"/proc/{pids[0]}").exists(), proc, 180, "the head to finish")
+        wait_until(lambda: "warning: rollout rank 2" in err.read_text(), proc, timeout + 90, "replica [2, 3] dropped")
+        # the head finishes without them, then exits non-zero so the launcher reclaims the stuck processes
+        wait_until(lambda: not Path(f"/proc/{pids[0]}").exists(), proc, 240, "the head to finish")
     finally:
-        os.kill(pids[3], signal.SIGKILL)
+        for r in (3, 5):
+            os.kill(pids[r], signal.SIGKILL)
     rc = finish(proc)
     stderr = err.read_text()
     assert rc != 0
     assert t_dropped < timeout + 30, t_dropped
-    assert "[rank 0] error: finished at step 6 without rollout rank(s) [3]" in stderr, stderr[-3000:]
+    assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [2, 3, 5]" in stderr, stderr[-3000:]
     assert "Traceback" not in stderr.split("[rank 0] error:")[0], stderr[-3000:]
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
-    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", 3)], events
-    check_run(run, 1, "SIGSTOP rank 3")
+    # both stopped at once: the order of the two drops is not defined
+    assert sorted((e["event"], e["rank"]) for e in events) == [("rollout_rank_lost", 2), ("rollout_rank_lost", 5)]
+    check_run(run, 1, "SIGSTOP rank 5 and TP follower 3")
 
 
-def launch_without_agent(args: list[str], log_prefix: Path, env_extra: dict, nproc: int = 4) -> list:
-    """The ranks of train.py as plain processes (the env torchrun would set): a SIGKILLed rank then ends only
-    itself -- torchrun's agent would end every rank of the job, which resume covers (the tests above)."""
+def launch_without_agent(args: list[str], log_prefix: Path, rank_env: dict[int, dict], nproc: int = 4) -> list:
+    """The ranks of train.py as plain processes (the env torchrun would set, plus `rank_env[rank]`): a SIGKILLed
+    rank then ends only itself -- torchrun's agent would end every rank of the job, which resume covers (above)."""
     import socket
 
     with socket.socket() as s:
@@ -241,7 +322,7 @@ def launch_without_agent(args: list[str], log_prefix: Path, env_extra: dict, npr
     for rank in range(nproc):
         env = {
             **ENV,
-            **env_extra,
+            **rank_env.get(rank, {}),
             "RANK": str(rank),
             "LOCAL_RANK": str(rank),
             "WORLD_SIZE": str(nproc),
@@ -255,38 +336,43 @@ def launch_without_agent(args: list[str], log_prefix: Path, env_extra: dict, npr
     return procs
 
 
+@pytest.mark.alone  # times the drops against dist.rollout_timeout_s
 @pytest.mark.parametrize(
-    "signal_name, victim",
-    [("STOP", 2), ("KILL", 2), ("STOP", 3), ("KILL", 3)],
-    ids=["stopped-relay", "killed-relay", "stopped-mate", "killed-mate"],
+    "victims",  # rank -> (version, signal), in the order they are lost
+    [{4: (2, "KILL"), 2: (4, "STOP")}, {2: (2, "KILL"), 4: (4, "STOP")}],
+    ids=["killed-mate-then-stopped-relay", "killed-relay-then-stopped-mate"],
 )
-def test_rollout_rank_lost_mid_weight_sync_is_dropped_and_the_run_finishes(
-    tmp_path, tiny_model_dir, signal_name, victim
-):
-    """Ranks 2 and 3 are the rollout replicas of one machine: rank 2 receives each bucket from the train ranks and
-    forwards it to rank 3. The victim signals itself half-way through receiving version 3 (about 12 buckets of
-    0.05 MB). It is dropped within dist.rollout_timeout_s and named; the other replica finishes the run with whole
-    versions: every trajectory trained exactly once, the staleness bound kept for every token."""
+def test_rollout_rank_lost_mid_weight_sync_is_dropped_and_the_run_finishes(tmp_path, tiny_model_dir, victims):
+    """Ranks 2, 3 and 4 are the rollout replicas of one machine: its lowest live one (2, then 3 once 2 is lost) is the
+    relay, which receives each bucket from the train ranks and forwards it to its machine-mates. Each victim signals
+    itself half-way through receiving a version (about 12 buckets of 0.05 MB): at version 2 mate 4 (relay 2 forwards
+    to 3 and 4) or relay 2 (both its mates left waiting on it), at version 4 relay 2 (its mate 3 left waiting on it)
+    or mate 4 (of relay 3). Each is dropped within dist.rollout_timeout_s and named; replica 3 finishes the run with
+    whole versions: every trajectory trained exactly once, the staleness bound kept for every token."""
     from parallel.weight_sync import FAULT_ENV
 
     run, timeout = tmp_path / "r", 4
     args = base_args(tiny_model_dir, tmp_path, 1, [f"dist.rollout_timeout_s={timeout}", "dist.weight_bucket_mb=0.05"])
     args = [a for a in args if a not in ("checkpoint.every=2", "resume=auto")] + ["checkpoint.every=0"]
-    procs = launch_without_agent(args, tmp_path / "l", {FAULT_ENV: f"{victim}:3:{signal_name}"})
+    args += ["plan.num_rollout=3"]
+    rank_env = {rank: {FAULT_ENV: f"{rank}:{version}:{sig}"} for rank, (version, sig) in victims.items()}
+    procs = launch_without_agent(args, tmp_path / "l", rank_env, nproc=5)
+    note = ", ".join(f"{sig} rank {rank} at version {version}" for rank, (version, sig) in victims.items())
     try:
         head_rc = procs[0].wait(timeout=240)
         err = (tmp_path / "l.0.err").read_text()
-        assert head_rc == 3, err[-3000:]  # finished, naming the lost rank, so a launcher reclaims it
-        assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [{victim}]" in err, err[-3000:]
-        assert f"warning: rollout rank {victim}" in err, err[-3000:]
-        other = 5 - victim
-        assert procs[other].wait(timeout=60) == 0, (tmp_path / f"l.{other}.err").read_text()[-3000:]
+        assert head_rc == 3, err[-3000:]  # finished, naming the lost ranks, so a launcher reclaims them
+        assert f"[rank 0] error: finished at step {STEPS} without rollout rank(s) [2, 4]" in err, err[-3000:]
+        for victim in victims:
+            assert f"warning: rollout rank {victim}" in err, err[-3000:]
+        assert procs[3].wait(timeout=60) == 0, (tmp_path / "l.3.err").read_text()[-3000:]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     events = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines() if '"event"' in x]
-    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", victim)], events
-    lost = [m for m in step_lines(run) if m["step"] == 3]
-    assert lost and lost[0]["weight_sync_s"] < timeout + 10, lost  # dropped within the timeout (+ its re-send)
-    check_run(run, 1, f"{signal_name} rank {victim} mid-sync")
+    assert [(e["event"], e["rank"]) for e in events] == [("rollout_rank_lost", v) for v in victims], events
+    for version, _ in victims.values():
+        lost = [m for m in step_lines(run) if m["step"] == version]
+        assert lost and lost[0]["weight_sync_s"] < timeout + 10, lost  # dropped within the timeout (+ its re-send)
+    check_run(run, 1, f"{note} mid-sync")
