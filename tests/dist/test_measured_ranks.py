@@ -100,6 +100,7 @@ def _pipeline_worker(rank: int, init_file: str, out_dir: str, m: int, cpu_s: flo
     os._exit(0)
 
 
+@pytest.mark.alone  # a ratio of wall times
 def test_a_throttled_pipeline_runs_the_emulated_devices_1f1b_not_one_pad_at_the_end(tmp_path):
     """Two stages of one emulated type, m = 2 micro-batches whose forward costs t = cpu / fraction on the device:
     the second stage cannot start until the first's first forward is done, so the pipeline takes (m + 1) t, as on
