@@ -182,6 +182,7 @@ def run_profile(cluster, gpu_type: str, seconds: float, out: Path, *extra: str) 
     return r
 
 
+@pytest.mark.alone  # the profile's own wall time is held to 120 s, and the run to 180 s
 def test_profile_cli_smoke_on_cpu(tmp_path):
     """`schedule.py profile --seconds 10` on CPU (about 15-30 s with imports and model builds): it runs the runtime's
     Generator and Trainer, writes a profile the planner reads back, and prints the constants."""
@@ -205,6 +206,7 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     assert doc["seconds"] < 120
 
 
+@pytest.mark.alone  # decode_beside: a wall time over a CPU time, held to [0.5, 4]; the run to 180 s
 def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
     """`schedule.py profile --gpu-type h800ish --co-load 2 --co-load-trainers 1` on the emulated cluster: the
     Generator's steps are padded by the type's throttle (it slept) beside a peer that trained and one that decoded
