@@ -44,31 +44,24 @@ def test_estimate_within_15_percent_of_measured_peak_two_models_two_layouts():
 
 
 def test_co_load_peers_decode_until_stopped_and_a_peer_that_fails_is_one_error():
-    """cpu_bench/co_load.start_peers: two peers decode (each reports its steps when stopped, more the longer they ran); a
-    peer that cannot build its model stops the start at once with one error naming it, and no peer is left."""
+    """cpu_bench/co_load.start_peers: two peers decode and three train -- a DP pair in lockstep (both leave at the
+    same step) and one alone -- each reporting its steps when stopped; a peer that cannot build its model stops the
+    start at once with one error naming it, and no peer is left."""
     import time
 
     from cpu_bench import co_load
     from planner import device_profile
 
-    load = co_load.start_peers(
-        3, device_profile.NULL_MODEL, (2, 8, 4), None, lambda *_: None, trainers=1, train=((4, 8, 8), 64)
-    )
-    time.sleep(1.0)
-    procs = list(load.procs)
-    steps = load.close()
-    assert len(steps) == 3 and all(n > 0 for n in steps), steps  # the train peer too
-    assert all(not p.is_alive() for p in procs)
-    # three train peers: a DP pair in lockstep (both leave at the same step) and one alone, beside a decoder
     logged = []
     load = co_load.start_peers(
-        4, device_profile.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64)
+        5, device_profile.NULL_MODEL, (2, 8, 4), None, logged.append, trainers=3, train=((4, 8, 8), 64)
     )
     time.sleep(2.0)
-    tmp = load.tmp
+    procs, tmp = list(load.procs), load.tmp
     steps = load.close()
-    assert len(steps) == 4 and all(n > 0 for n in steps) and steps[0] == steps[1], steps
-    assert "3 training in DP pairs, 1 decoding 2 rows" in logged[-1] and not os.path.exists(tmp)
+    assert len(steps) == 5 and all(n > 0 for n in steps) and steps[0] == steps[1], steps  # the train peers too
+    assert all(not p.is_alive() for p in procs)
+    assert "3 training in DP pairs, 2 decoding 2 rows" in logged[-1] and not os.path.exists(tmp)
     t0 = time.monotonic()
     with pytest.raises(RuntimeError, match=r"co-load of 1 peer processes: peers \[0\] exited"):
         co_load.start_peers(1, (64, 128, 1, 0, 1, 64), (2, 8, 4), None, lambda *_: None)  # 0 heads: no model
@@ -107,6 +100,7 @@ def _pipeline_worker(rank: int, init_file: str, out_dir: str, m: int, cpu_s: flo
     os._exit(0)
 
 
+@pytest.mark.alone  # a ratio of wall times
 def test_a_throttled_pipeline_runs_the_emulated_devices_1f1b_not_one_pad_at_the_end(tmp_path):
     """Two stages of one emulated type, m = 2 micro-batches whose forward costs t = cpu / fraction on the device:
     the second stage cannot start until the first's first forward is done, so the pipeline takes (m + 1) t, as on

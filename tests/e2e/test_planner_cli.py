@@ -4,6 +4,8 @@ emulated type under its throttle beside co-load peers), and every bad input -- t
 or exp/estimate_memory.py -- is one line on stderr and exit code 2."""
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -161,20 +163,26 @@ def test_a_bad_profile_is_one_clear_error(tmp_path, change, needle):
 
 
 def run_profile(cluster, gpu_type: str, seconds: float, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    """`schedule.py profile --nominal measured` as a user runs it; asserts it exited 0."""
-    r = subprocess.run(
-        [sys.executable, "schedule.py", "profile", "--cluster", str(cluster), "--gpu-type", gpu_type]
-        + ["--seconds", str(seconds), "--nominal", "measured", "--out", str(out), *extra],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env=ENV,
-        timeout=180,
-    )
+    """`schedule.py profile --nominal measured` as a user runs it; asserts it exited 0. It runs in a session of its
+    own: on a timeout the whole session is killed, its spawned peers (co-load, TP/DP steps, link) with it, so that
+    none is left running beside the rest of the suite."""
+    cmd = [sys.executable, "schedule.py", "profile", "--cluster", str(cluster), "--gpu-type", gpu_type]
+    cmd += ["--seconds", str(seconds), "--nominal", "measured", "--out", str(out), *extra]
+    with subprocess.Popen(
+        cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
+    ) as proc:
+        try:
+            stdout, stderr = proc.communicate(timeout=180)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+            pytest.fail(f"schedule.py profile ran past 180 s:\n{stdout[-2000:]}{stderr[-2000:]}")
+    r = subprocess.CompletedProcess(cmd, proc.returncode, stdout, stderr)
     assert r.returncode == 0, r.stdout + r.stderr
     return r
 
 
+@pytest.mark.alone  # the profile's own wall time is held to 120 s, and the run to 180 s
 def test_profile_cli_smoke_on_cpu(tmp_path):
     """`schedule.py profile --seconds 10` on CPU (about 15-30 s with imports and model builds): it runs the runtime's
     Generator and Trainer, writes a profile the planner reads back, and prints the constants."""
@@ -198,6 +206,7 @@ def test_profile_cli_smoke_on_cpu(tmp_path):
     assert doc["seconds"] < 120
 
 
+@pytest.mark.alone  # decode_beside: a wall time over a CPU time, held to [0.5, 4]; the run to 180 s
 def test_profiling_an_emulated_type_runs_its_throttle_and_applies_to_it_alone(tmp_path):
     """`schedule.py profile --gpu-type h800ish --co-load 2 --co-load-trainers 1` on the emulated cluster: the
     Generator's steps are padded by the type's throttle (it slept) beside a peer that trained and one that decoded

@@ -1,13 +1,17 @@
 """torchrun worker: the parallel trainer against a 1-process reference (plain HF forward + decoupled_ppo_loss).
 
     torchrun --nproc_per_node=4 tests/support/dist_parallel_worker.py --layouts "2,1,1:2+2;1,1,2:3+1" --models qwen2,llama
+        [--vocab-parallel-out DIR]
 
 For each model and each layout (dp,tp,pp:layers per stage), ranks 0..dp*tp*pp-1 train, the rest are rollout ranks
 (they only take part in build_groups). Checked on every train rank, against the same reference computed locally:
   - gathered full state dict (train head) == reference parameters, bitwise, HF names and shapes;
   - loss and every local parameter shard's gradient after one forward/backward, within 1e-5 relative;
   - parameters after one train_step of 3 PPO minibatches (3 AdamW steps, clipping) within 1e-5 relative.
-Prints one "RESULT" line per check; exit code 1 if any check failed on this rank.
+Prints one "RESULT" line per check; exit code 1 if any check failed on this rank. With --vocab-parallel-out, ranks 0
+and 1 also compute vocab-parallel log-probs / entropy (parallel.ppo) over their half of a vocabulary each, plain and
+chunked over tokens, against the full-vocab version, and save the largest differences (values and gradients) to
+DIR/<rank>.pt for the test to judge.
 """
 
 from __future__ import annotations
@@ -31,7 +35,14 @@ from torch.distributed.tensor import DTensor  # noqa: E402
 
 from config import TrainConfig  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
-from parallel.ppo import aggregation_weights, decoupled_ppo_loss, k3_kl, token_logprobs_and_entropy  # noqa: E402
+from parallel.ppo import (  # noqa: E402
+    aggregation_weights,
+    chunked_over_tokens,
+    decoupled_ppo_loss,
+    k3_kl,
+    token_logprobs_and_entropy,
+    vocab_parallel_logprobs_and_entropy,
+)
 from parallel.tensor_parallel import slice_shard  # noqa: E402
 from parallel.trainer import Trainer  # noqa: E402
 from plan import make_train_plan  # noqa: E402
@@ -184,13 +195,52 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a - b).double().norm() / b.double().norm().clamp_min(1e-30)).item()
 
 
+def vocab_parallel_errors(rank: int, world: int, group) -> dict:
+    """This rank's shard (of `world`) of vocab-parallel log-probs and entropy over `group`, plain and chunked over
+    tokens, against the full-vocab version: the largest differences of the values and of the logits' gradients."""
+    g = torch.Generator().manual_seed(0)
+    vocab, temperature = 10, 0.7
+    logits = torch.randn(3, 5, vocab, generator=g) * 3
+    targets = torch.randint(0, vocab, (3, 5), generator=g)
+    coef_lp, coef_ent = torch.randn(3, 5, generator=g), torch.randn(3, 5, generator=g)
+    ref = logits.clone().requires_grad_()
+    lp_ref, ent_ref = token_logprobs_and_entropy(ref, targets, temperature)
+    ((lp_ref * coef_lp).sum() + (ent_ref * coef_ent).sum()).backward()
+
+    shard = vocab // world
+    local = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    lp, ent = vocab_parallel_logprobs_and_entropy(local, targets, rank * shard, group, temperature)
+    ((lp * coef_lp).sum() + (ent * coef_ent).sum()).backward()
+
+    def vocab_parallel(x, t):
+        return vocab_parallel_logprobs_and_entropy(x, t, rank * shard, group, temperature)
+
+    chunked = logits[..., rank * shard : (rank + 1) * shard].clone().requires_grad_()
+    lp_c, ent_c = chunked_over_tokens(vocab_parallel, chunked, targets, 2)  # 5 tokens: chunks of 2, 2, 1
+    ((lp_c * coef_lp).sum() + (ent_c * coef_ent).sum()).backward()
+    return {
+        "lp": (lp - lp_ref).abs().max().item(),
+        "ent": (ent - ent_ref).abs().max().item(),
+        "grad": (local.grad - ref.grad[..., rank * shard : (rank + 1) * shard]).abs().max().item(),
+        "chunked": max((lp_c - lp).abs().max().item(), (ent_c - ent).abs().max().item()),
+        "chunked_grad": (chunked.grad - local.grad).abs().max().item(),
+    }
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layouts", required=True)
     ap.add_argument("--models", default="qwen2,llama")
+    ap.add_argument("--vocab-parallel-out")
     args = ap.parse_args()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    if args.vocab_parallel_out:  # two ranks of the world, a group of their own
+        pair = dist.new_group([0, 1])
+        if rank < 2:
+            errors = vocab_parallel_errors(rank, 2, pair)
+            torch.save(errors, os.path.join(args.vocab_parallel_out, f"{rank}.pt"))
+        dist.barrier()
     failures = 0
 
     def report(tag: str, ok: bool, detail: str) -> None:

@@ -3,12 +3,17 @@ rollout replicas spread over "machines"; every replica applies them with Generat
 parameters bitwise against the trainer's own gathered state dict; the train head checks the bytes it sent
 against the planner's number (cost_model, from the model's config alone).
 
-    torchrun --nproc_per_node=N tests/support/dist_weight_sync_worker.py MODEL DP TP PP BUCKET_MB MACHINES DTYPE OUT
-MACHINES: the machine of each rollout replica, e.g. 0,0,1. With HEXRL_MEASURE_MEMORY=1 each rank also prints the
-peak resident memory its sync added (VmHWM reset through /proc/self/clear_refs), in bytes. Each rank writes its
-report to OUT/report_<rank>.json. HEXRL_TEST_HANDOVER=shared hands the buckets to the relays in shared memory
-(dist.handover=shared); a replica then reports how many owners' slots it mapped per version. HEXRL_SYNC_VERSIONS
-(default 2): how many versions are synced.
+    torchrun --nproc_per_node=N tests/support/dist_weight_sync_worker.py CASES OUT
+CASES: a JSON file, a list of cases run one after another in the same processes (each process pays its start-up
+once): {"name", "model", "layout": [dp, tp, pp], "bucket_mb", "machines", "dtype", "env"}. A case's world is its
+dp * tp * pp train ranks and one rank per rollout replica; "machines" gives each replica's machine, e.g. "0,0,1".
+A case runs in its own gloo world of the launch's first ranks (torchrun's store, under a key prefix per case; N is the
+largest case's world), and each of its ranks writes its report to OUT/NAME/report_<rank>.json. "env" is set for the case
+only: HEXRL_MEASURE_MEMORY=1 makes each rank also report the peak resident memory its sync added (VmHWM reset
+through /proc/self/clear_refs), in bytes; HEXRL_TEST_HANDOVER=shared hands the buckets to the relays in shared memory
+(dist.handover=shared), and a replica then reports how many owners' slots it mapped per version;
+HEXRL_SYNC_VERSIONS (default 2): how many versions are synced; parallel.weight_sync.STAGE_ENV stages every bucket
+through host memory.
 """
 
 import json
@@ -43,16 +48,40 @@ def reset_peak() -> int:
 
 
 def main():
+    cases, out = json.loads(Path(sys.argv[1]).read_text()), Path(sys.argv[2])
+    rank = int(os.environ["RANK"])
+    # torchrun's own TCPStore (the one a run's channel uses), a key prefix per case
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    for case in cases:
+        dp, tp, pp = case["layout"]
+        world = dp * tp * pp + len(case["machines"].split(","))
+        if rank >= world:  # not a rank of this case
+            continue
+        case_out = out / case["name"]
+        case_out.mkdir(exist_ok=True)
+        saved = dict(os.environ)
+        os.environ.update(case["env"])
+        try:
+            case_store = dist.PrefixStore(case["name"], store)
+            dist.init_process_group("gloo", store=case_store, rank=rank, world_size=world)
+            run_case(case["model"], dp, tp, pp, case["bucket_mb"], case["machines"], case["dtype"], case_out)
+            dist.destroy_process_group()
+        finally:
+            os.environ.clear()
+            os.environ.update(saved)
+    sys.stdout.flush()
+    os._exit(0)
+
+
+def run_case(model_dir, dp, tp, pp, bucket_mb, machines, dtype_name, out):
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    model_dir, dp, tp, pp, bucket_mb, machines, dtype_name, out = sys.argv[1:9]
-    dp, tp, pp, bucket_bytes = int(dp), int(tp), int(pp), int(float(bucket_mb) * 2**20)
+    bucket_bytes = int(float(bucket_mb) * 2**20)
     machines = [int(m) for m in machines.split(",")]
     dtype = getattr(torch, dtype_name)
     measure = os.environ.get("HEXRL_MEASURE_MEMORY") == "1"
     handover = os.environ.get("HEXRL_TEST_HANDOVER", "wire")
     versions = range(1, int(os.environ.get("HEXRL_SYNC_VERSIONS", "2")) + 1)  # weight versions synced, from 1
-    dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     layers = AutoConfig.from_pretrained(model_dir).num_hidden_layers
     stage_layers = [(s * layers // pp, (s + 1) * layers // pp) for s in range(pp)]
@@ -129,33 +158,40 @@ def main():
             return open_slots(descriptor, device)
 
         weight_sync.open_slots = counting_open_slots
-        for _ in versions:
-            ((_, msg),) = channel.poll(timeout_s=120)
-            before = reset_peak() if measure else 0
-            opened.clear()
-            failed = receive_version(
-                msg,
-                groups.weight_links,
-                torch.device("cpu"),
-                lambda b, last, v=msg["version"]: gen.update_weights(b, v, last=last),
-                60,
-            )
-            if measure:
-                report[f"peak_extra_v{msg['version']}"] = (peak_kb() - before) * 1024
-            report[f"opened_v{msg['version']}"] = len(opened)
-            dist.barrier()
-            want = torch.load(Path(out) / f"v{msg['version']}.pt", weights_only=True)
-            got = model.state_dict()
-            same &= not failed and gen.version == msg["version"]
-            same &= all(torch.equal(got[k], want[k]) for k in want)
+        try:
+            same = receive_versions(versions, channel, groups, gen, model, measure, opened, report, out)
+        finally:
+            weight_sync.open_slots = open_slots
         channel.send(groups.train_ranks[0], "check", ok=bool(same))
         ok = same
     report.update(rank=rank, role=groups.role, ok=bool(ok))
     (Path(out) / f"report_{rank}.json").write_text(json.dumps(report))  # (stdout lines of ranks interleave)
     dist.barrier()
-    dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)
+
+
+def receive_versions(versions, channel, groups, gen, model, measure, opened, report, out) -> bool:
+    """A replica's side of every version: applied through the Generator, then checked bitwise."""
+    same = True
+    for _ in versions:
+        ((_, msg),) = channel.poll(timeout_s=120)
+        before = reset_peak() if measure else 0
+        opened.clear()
+        failed = receive_version(
+            msg,
+            groups.weight_links,
+            torch.device("cpu"),
+            lambda b, last, v=msg["version"]: gen.update_weights(b, v, last=last),
+            60,
+        )
+        if measure:
+            report[f"peak_extra_v{msg['version']}"] = (peak_kb() - before) * 1024
+        report[f"opened_v{msg['version']}"] = len(opened)
+        dist.barrier()
+        want = torch.load(Path(out) / f"v{msg['version']}.pt", weights_only=True)
+        got = model.state_dict()
+        same &= not failed and gen.version == msg["version"]
+        same &= all(torch.equal(got[k], want[k]) for k in want)
+    return same
 
 
 if __name__ == "__main__":
