@@ -37,7 +37,7 @@ def decode_beside(
     and prompt -- timed by the wall clock and by CPU time, `steps` steps at a time through this type's throttle
     (`requests.step`), beside the co-load of `co_load` peers whose `trainers` train under each type's throttle in `beside` in
     turn (its decoding peers stay this type's), for budget_s / len(beside) each after BESIDE_WARMUP_S (long enough
-    for every peer's first step; a smoke run's shapes give a shorter "beside_warmup_s"; the budget several of the slowest trainers' steps, so that the decoder sees their
+    for every peer's first step; the budget several of the slowest trainers' steps, so that the decoder sees their
     bursts and their pauses alike). Returns {"model", "model_config", "batch", "context", "bytes", "fraction" (this
     type's bandwidth fraction), "points": {type: {"wall_s", "cpu_s", "runs"}}} with each point's medians per step."""
 
@@ -53,7 +53,7 @@ def decode_beside(
         )  # fmt: skip
         try:
             walls, cpus = [], []
-            time.sleep(shapes.get("beside_warmup_s", BESIDE_WARMUP_S))
+            time.sleep(BESIDE_WARMUP_S)
             until = time.perf_counter() + budget_s / len(beside)
             while len(walls) < 3 or (time.perf_counter() < until and len(walls) < 200):
                 requests.add(gen, spec.vocab, batch, prompt, steps + 3)

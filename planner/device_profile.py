@@ -103,7 +103,6 @@ PROFILE_SHAPES = {
             "train_tp": [(8, 16, 32), (32, 16, 32)],
             "train_dp": [(8, 16, 32), (32, 16, 32)],
             "link_bytes": [2**20, 4 * 2**20, 16 * 2**20],
-            "beside_warmup_s": 2.0,  # decode_beside's co-load runs this long untimed (co_load.BESIDE_WARMUP_S)
         },
     },
     "cuda": {
