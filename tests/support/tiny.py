@@ -65,30 +65,3 @@ def torchrun(nproc: int, args: list[str], timeout: float = 240, cwd: Path = ROOT
         *args,
     ]
     return subprocess.run(cmd, cwd=cwd, env=ENV, capture_output=True, text=True, timeout=timeout)
-
-
-def run_sync_worker(model_dir, layout, bucket_mb, machines, dtype, out, env=None) -> dict[int, dict]:
-    """tests/support/dist_weight_sync_worker.py under torchrun: {rank: its REPORT}."""
-    import json
-
-    dp, tp, pp = layout
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--nproc_per_node={dp * tp * pp + len(machines.split(','))}",
-        "--standalone",
-        "tests/support/dist_weight_sync_worker.py",
-        str(model_dir),
-        str(dp),
-        str(tp),
-        str(pp),
-        str(bucket_mb),
-        machines,
-        dtype,
-        str(out),
-    ]
-    proc = subprocess.run(cmd, cwd=ROOT, env={**ENV, **(env or {})}, capture_output=True, text=True, timeout=240)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    reports = [json.loads(p.read_text()) for p in Path(out).glob("report_*.json")]
-    return {r["rank"]: r for r in reports}
