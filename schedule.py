@@ -521,8 +521,9 @@ def profile_main(argv: list[str]) -> int:
         "--nominal",
         choices=("type", "measured"),
         default="type",
-        help="fractions of --gpu-type's tflops / hbm_tbps, or of this device's measured GEMM and copy rates "
-        "(for a device with no trusted peak, e.g. a CPU core; the planner rescales them to the cluster's numbers)",
+        help="fractions of --gpu-type's tflops / hbm_tbps, or of the fastest FLOP rate and bandwidth this device "
+        "showed (GEMM / copy points or fits; for a device with no trusted peak, e.g. a CPU core; the planner "
+        "rescales them to the cluster's numbers)",
     )
     ap.add_argument(
         "--co-load",

@@ -10,7 +10,6 @@ from __future__ import annotations
 import platform
 import tempfile
 import time
-from dataclasses import replace
 from datetime import timedelta
 
 import torch
@@ -270,9 +269,9 @@ def profile_device(
             f"link:    {len(out['link']['points'])} bucket hops of {shapes['link_bytes'][0] >> 20}-"
             f"{shapes['link_bytes'][-1] >> 20} MiB, tiny hop {out['link']['latency_s'] * 1e3:.3f} ms"
         )
-    if nominal == "measured":
-        gpu = replace(gpu, tflops=gemm_tflops, hbm_tbps=copy_tbps)
-    return profile_fit.finish_profile(out, gpu, log, time.perf_counter() - start)
+    return profile_fit.finish_profile(
+        out, gpu, log, time.perf_counter() - start, measured_nominal=nominal == "measured"
+    )
 
 
 # the share of profile_device's `seconds` each kind of point gets

@@ -378,7 +378,7 @@ def dp_overhead_fit(dp_steps: dict | None, gpu: GPUType, te: TypeEfficiency) -> 
     return max(0.0, sum(extra) / len(extra)) / opt_steps
 
 
-def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> dict:
+def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0, measured_nominal: bool = False) -> dict:
     """Fit the measured points (device_profile.profile_device's structure) and add `measured`, `nominal`, `fractions`,
     `efficiency` (the TypeEfficiency of `gpu` the planner reads) and, when the link was measured, `sync`; then check
     them (check_profile_efficiency, check_profile_sync).
@@ -399,7 +399,11 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
       train_dp  (optional) train points as data-parallel steps: dp_overhead_s (dp_overhead_fit)
       link      one weight-sync bucket hop between two processes, as a train rank waits for it (fill a buffer,
                 checksum it, send; the receiver takes it): hop = bytes / bandwidth (sync.link_gbps); a tiny hop is
-                the fixed cost (sync.sync_latency_s)"""
+                the fixed cost (sync.sync_latency_s)
+    `measured_nominal` (a device with no spec sheet, e.g. a CPU core): the nominal numbers are the fastest FLOP rate
+    and bandwidth the profile saw, over the GEMM / copy points and the fitted rates alike. A fit's marginal rate can
+    outrun the GEMM shapes (a CPU core's small, cache-resident matmuls run faster than large ones, and the host's
+    speed drifts between points), and only the fractions change with the nominal: the rates the planner uses do not."""
     gemm_rate, copy_rate = out["gemm_tflops"] * 1e12, out["copy_tbps"] * 1e12
     for p in out["decode"]:  # memory-bound by the raw rates: the bandwidth fit uses only those points
         p["memory_bound"] = bool(p["flops"] / gemm_rate < 0.5 * p["bytes"] / copy_rate)
@@ -479,6 +483,14 @@ def finish_profile(out: dict, gpu: GPUType, log=print, elapsed: float = 0.0) -> 
     tp_fit = tp_unsplit_fit(
         out.get("train_tp"), train_rate, optimizer_s, train_overhead, bw, microbatch_overhead or 0.0
     )
+    if measured_nominal:
+        rates = {"the GEMM points": gemm_rate, "the prefill fit": prefill_rate, "the train fit": train_rate}
+        rates |= {} if decode_rate is None else {"the decode fit": decode_rate}
+        streams = {"the copy points": copy_rate, "the decode fit": bw}
+        fastest, fastest_stream = max(rates, key=rates.get), max(streams, key=streams.get)
+        gpu = replace(gpu, tflops=rates[fastest] / 1e12, hbm_tbps=streams[fastest_stream] / 1e12)
+        if (fastest, fastest_stream) != ("the GEMM points", "the copy points"):
+            log(f"nominal: the fastest rates measured: FLOP/s from {fastest}, bandwidth from {fastest_stream}")
     peak, hbm = gpu.tflops * 1e12, gpu.hbm_tbps * 1e12
     out["measured"] = {
         "gemm_tflops": out["gemm_tflops"],

@@ -81,6 +81,31 @@ def test_finish_profile_turns_synthetic_points_into_the_type_efficiency():
         profile_fit.finish_profile(out, specs.GPUType("cpu", 2, 0.002, 0.005, 0.05, 2.0), log=lambda *_: None)
 
 
+def test_a_measured_nominal_is_the_fastest_rate_the_profile_saw():
+    """--nominal measured: a fit that outran the GEMM / copy points sets the nominal (mfu 1 at most, never refused as
+    implausible), and the achieved rates -- fraction x nominal, what the planner prices -- stay the fitted ones."""
+    prefill, train, bw = 12e9, 30e9, 3.5e9  # the train fit outruns the 15 GFLOP/s GEMM points
+    out = {
+        "device": "synthetic",
+        "gemm_tflops": 0.015,
+        "copy_tbps": 0.004,
+        "decode": [{"bytes": b, "flops": 1e6, "step_s": b / bw + 0.001} for b in (1.2e7, 3e7, 9e7)],
+        "prefill": [{"flops": f, "step_s": f / prefill + 0.004} for f in (4e8, 1.6e9, 3.3e9)],
+        "train": [{"flops": f, "step_s": f / train + 0.2} for f in (7e9, 2e10, 4e10)],
+    }
+    with pytest.raises(specs.SpecError, match=r"efficiency\.mfu_train = 2 is not physically plausible"):
+        profile_fit.finish_profile(dict(out), specs.GPUType("cpu", 2, 0.015, 0.004, 0.05, 2.0), log=lambda *_: None)
+    said = []
+    profile_fit.finish_profile(
+        out, specs.GPUType("cpu", 2, 0.015, 0.004, 0.05, 2.0), said.append, measured_nominal=True
+    )
+    assert out["nominal"]["tflops"] == pytest.approx(train / 1e12) and out["nominal"]["hbm_tbps"] == 0.004
+    e = out["efficiency"]
+    assert e["mfu_train"] == pytest.approx(1.0) and e["mfu_infer"] == pytest.approx(prefill / train)
+    assert e["hbm_eff"] * out["nominal"]["hbm_tbps"] * 1e12 == pytest.approx(bw)
+    assert "nominal: the fastest rates measured: FLOP/s from the train fit, bandwidth from the copy points" in said
+
+
 TINY = specs.load_model_spec(ROOT / "exp/tiny-model")
 
 
