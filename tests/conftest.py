@@ -2,6 +2,7 @@
 dist/ (gloo workers the test starts), e2e/ (entry points run as processes: torchrun train.py, the CLIs, exp
 scripts), gpu/ (CUDA only). `pytest tests` runs them all; any folder or file runs alone from the repository root."""
 
+import compileall
 import os
 import sys
 import tempfile
@@ -21,6 +22,15 @@ pytest_plugins = ["cputime", "alone"]  # --cpu-durations=N; @pytest.mark.alone
 
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the cores are shared by the workers: no thread waits for another's
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
+
+
+def pytest_sessionstart(session):
+    """The suite starts a few hundred Python processes (ranks, CLIs): compiled once here, the repository's modules
+    load as bytecode in each, where PYTHONDONTWRITEBYTECODE=1 (as on CI) would have every process compile them."""
+    if not hasattr(session.config, "workerinput"):  # the xdist controller, or a run without xdist
+        root = TESTS.parent
+        for d in (root, root / "parallel", root / "planner", root / "cpu_bench", root / "exp", TESTS / "support"):
+            compileall.compile_dir(d, maxlevels=0, quiet=1)
 
 
 @pytest.fixture(scope="session")
