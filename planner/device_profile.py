@@ -253,6 +253,7 @@ def profile_device(
     out.update(gemm=gemm, gemm_tflops=gemm_tflops, copy_tbps=copy_tbps, decode=decode, prefill=prefill, train=train)
     # (e') the second pass of the TP and DP steps (the first ran before the decode points), the faster kept
     bench.parallel_pass(parallel, train_dims, gpu.intra_gbps)
+    bench.close()
     for kind, passes in parallel.items():
         out[kind] = _faster_pass(passes)
         if out[kind]:
@@ -324,6 +325,7 @@ class _Bench:
         # shared, loaded machine the wall clock of a millisecond step measures the other processes' time slices
         self.clock = time.perf_counter if self.cuda else time.process_time
         self.requests = _Requests(throttle)
+        self.parallel_peer: _ParallelPeer | None = None  # rank 1 of the TP and DP steps, from the first on
 
     @classmethod
     def for_this_device(cls, seconds: float, throttle) -> _Bench:
@@ -364,13 +366,26 @@ class _Bench:
         """One pass of the tensor- and data-parallel train points (CPU, no throttle), appended to `parallel`."""
         shapes = self.shapes
         for kind, dp, tp in (("train_tp", 1, TRAIN_TP), ("train_dp", TRAIN_DP, 1)):
-            if not self.cuda and self.throttle is None and shapes.get(kind):
+            if not self.cuda and self.throttle is None and shapes.get(kind) and not dist.is_initialized():
                 points = [(len(shapes["train"]) + i, p) for i, p in enumerate(shapes[kind])]
+                self.parallel_peer = self.parallel_peer or _ParallelPeer()
                 parallel.setdefault(kind, []).append(
                     _profile_train_parallel(
-                        train_dims, points, shapes["train_mb"], intra_gbps, self.seconds * SHARE[kind] / 2, dp, tp
+                        self.parallel_peer,
+                        train_dims,
+                        points,
+                        shapes["train_mb"],
+                        intra_gbps,
+                        self.seconds * SHARE[kind] / 2,
+                        dp,
+                        tp,
                     )
                 )
+
+    def close(self) -> None:
+        if self.parallel_peer is not None:
+            self.parallel_peer.close()
+            self.parallel_peer = None
 
     def generator_steps(self, co_load: int, co_load_trainers: int, log) -> tuple[list[dict], list[dict], list[int]]:
         """(c) decode and (d) prefill points of generator.Generator over the profile's models, beside `co_load` peers:
@@ -555,12 +570,50 @@ def _parallel_step_loop(
     return medians, spec
 
 
-def _parallel_peer(init: str, dims: tuple, points: list, micro_batch_tokens: int, dp: int, tp: int) -> None:
-    _parallel_step_loop(1, init, dims, points, micro_batch_tokens, 0.0, dp, tp)
+def _parallel_peer_loop(jobs) -> None:
+    while (job := jobs.get()) is not None:  # (init, dims, points, micro_batch_tokens, dp, tp)
+        init, dims, points, micro_batch_tokens, dp, tp = job
+        _parallel_step_loop(1, init, dims, points, micro_batch_tokens, 0.0, dp, tp)
+
+
+class _ParallelPeer:
+    """Rank 1 of every TP and DP step of a profile, one spawned process for all of them: each spawn imports torch
+    and the runtime, seconds of a short profile."""
+
+    def __init__(self) -> None:
+        ctx = mp.get_context("spawn")
+        self.jobs = ctx.SimpleQueue()
+        self.proc = ctx.Process(target=_parallel_peer_loop, args=(self.jobs,), daemon=True)
+        self.proc.start()
+        self.tmp = tempfile.TemporaryDirectory()
+        self.runs = 0
+
+    def start(self, dims: tuple, points: list, micro_batch_tokens: int, dp: int, tp: int) -> str:
+        """Start its side of one run of steps; the init method of that run's process group."""
+        if not self.proc.is_alive():
+            raise RuntimeError(f"the profile's parallel peer exited (code {self.proc.exitcode})")
+        self.runs += 1
+        init = f"file://{self.tmp.name}/init_{self.runs}"
+        self.jobs.put((init, dims, points, micro_batch_tokens, dp, tp))
+        return init
+
+    def close(self) -> None:
+        self.jobs.put(None)
+        self.proc.join(timeout=60)
+        if self.proc.is_alive():
+            self.proc.kill()
+        self.tmp.cleanup()
 
 
 def _profile_train_parallel(
-    dims: tuple, points: list, micro_batch_tokens: int, intra_gbps: float, budget_s: float, dp: int, tp: int
+    peer: _ParallelPeer,
+    dims: tuple,
+    points: list,
+    micro_batch_tokens: int,
+    intra_gbps: float,
+    budget_s: float,
+    dp: int,
+    tp: int,
 ) -> dict:
     """(CPU) train points again as steps over two processes of this machine, tensor-parallel (tp 2) or
     data-parallel (dp 2): what such a rank does that the cost model's FLOPs / tp (or / dp) leave out
@@ -570,20 +623,8 @@ def _profile_train_parallel(
     "micro_batch_tokens", "optimizer_steps", "intra_gbps", "model_config", "points": [{"trajectories", "prompt",
     "response", "tokens", "flops", "step_s"}]}."""
 
-    if dist.is_initialized():  # a process group exists (a test's): not measured here
-        return {}
-    with tempfile.TemporaryDirectory() as tmp:
-        init = f"file://{tmp}/tp_init"
-        peer = mp.get_context("spawn").Process(
-            target=_parallel_peer, args=(init, dims, points, micro_batch_tokens, dp, tp), daemon=True
-        )
-        peer.start()
-        try:
-            medians, spec = _parallel_step_loop(0, init, dims, points, micro_batch_tokens, budget_s, dp, tp)
-        finally:
-            peer.join(timeout=60)
-            if peer.is_alive():
-                peer.kill()
+    init = peer.start(dims, points, micro_batch_tokens, dp, tp)
+    medians, spec = _parallel_step_loop(0, init, dims, points, micro_batch_tokens, budget_s, dp, tp)
     rows = []
     for (_, (n, prompt, response)), step_s in zip(points, medians):
         row = _train_point(spec, PROFILE_MINIBATCHES, n, prompt, response, step_s, micro_batch_tokens)
