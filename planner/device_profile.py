@@ -336,8 +336,8 @@ class _Bench:
     def timed(self, fn, budget_s: float, fastest: bool = False) -> float:
         """Median of fn()'s seconds over runs filling budget_s: one warm-up, then at least 2 and at most 50 runs; the
         fastest run instead with `fastest` (a peak: a neighbour only ever slows a run, and a median of a few short
-        runs on a shared host reads a disturbed peak, so fitted rates came out above it). fn may return its own
-        seconds (a float); otherwise the call is timed here, the device synchronised."""
+        runs on a shared host reads below the device's peak). fn may return its own seconds (a float); otherwise
+        the call is timed here, the device synchronised."""
         fn()
         self.sync()
         times: list[float] = []
@@ -571,7 +571,7 @@ def _parallel_step_loop(
 
 
 def _parallel_peer_loop(jobs) -> None:
-    while (job := jobs.get()) is not None:  # (init, dims, points, micro_batch_tokens, dp, tp)
+    while (job := jobs.get()) is not None:
         init, dims, points, micro_batch_tokens, dp, tp = job
         _parallel_step_loop(1, init, dims, points, micro_batch_tokens, 0.0, dp, tp)
 
