@@ -77,12 +77,12 @@ class RolloutPool:
         return min(open_ranks, key=lambda r: (self.outstanding[r] + 1) / max(self.replicas[r].share, 1e-9))
 
     def token_shares(self) -> dict[int, float]:
-        """Each replica's measured share of the generated tokens so far, by replica id."""
+        """Each replica's measured share of the tokens generated since this launch, by replica id; none before a
+        replica has reported any (a resumed run's first batch can be all restored groups: no share is measured)."""
         total = self.total("generated_tokens")
-        return {
-            self.replicas[r].id: c.get("generated_tokens", 0) / total if total else 0.0
-            for r, c in self.counters.items()
-        }
+        if not total:
+            return {}
+        return {self.replicas[r].id: c.get("generated_tokens", 0) / total for r, c in self.counters.items()}
 
     def lost_ranks(self) -> list[int]:
         """Every rank of the lost replicas (followers too: they wait on their leader)."""

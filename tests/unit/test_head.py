@@ -129,6 +129,7 @@ def test_admission_follows_the_planned_shares_and_a_dry_replica_takes_work():
 def test_replica_token_shares_and_lost_ranks_name_every_member():
     pool = RolloutPool([RolloutReplica(0, [2, 3], 0.5), RolloutReplica(1, [4, 5], 0.5)])
     assert pool.live == [2, 4]  # the head talks to the leaders
+    assert pool.token_shares() == {}  # nothing generated yet (a resumed launch's first batch): no share measured
     pool.report(2, {"generated_tokens": 30})
     pool.report(4, {"generated_tokens": 10})
     assert pool.token_shares() == {0: 0.75, 1: 0.25}
