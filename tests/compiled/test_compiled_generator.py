@@ -20,14 +20,19 @@ from test_generator import (
 
 from generator import Generator, SamplingParams
 
+# One geometry (Mistral; 4 slots of 40 tokens in a pool of 10 blocks of 4) for the tests that allow it: they share
+# their compiled graphs through inductor's cache, and each graph costs tens of CPU seconds to compile on a cold one.
+MODEL = "mistral"  # sliding window: the static step's masks cover it too
+POOL = dict(max_batch_size=4, max_seq_len=40, kv_block_size=4, kv_cache_tokens=40, kv_seq_tokens=8)
+
 
 def test_compiled_decode_step_matches_hf_and_follows_weight_swaps():
     """compile_decode=True: the decode step under torch.compile (on GPU as CUDA graphs: tests/gpu/test_gpu.py), with
     static shapes -- every slot, the whole cache length -- and prefill rows packed into it. Greedy equals
     HF generate with slot refills, log-probs match the full forward, and update_weights mid-generation reaches
     the compiled step: later tokens are exactly the new weights' and carry the new version."""
-    model = make_model("mistral", seed=8)  # sliding window: the static step's masks cover it too
-    gen = Generator(model, max_batch_size=3, max_seq_len=40, compile_decode=True)
+    model = make_model(MODEL, seed=8)
+    gen = Generator(model, compile_decode=True, **POOL)
     for prompt, out in zip(PROMPTS, gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))):
         assert out.token_ids == hf_greedy(model, prompt, 10)
         ref = full_forward_logprobs(model, prompt, out.token_ids)
@@ -62,14 +67,13 @@ def test_compiled_step_carries_packed_prefill_rows_with_the_same_outputs():
     prompts, params = mixed_requests(stop=None)
     prompts = prompts + [[40, 41, 42, 43, 44, 45, 46, 47, 48, 49, 50, 51]] * 3  # longer than a budget of 6
     params = params + [SamplingParams(temperature=1.0, max_new_tokens=9, seed=90 + i) for i in range(3)]
-    new_weights = perturbed_state_dict(make_model("mistral", seed=61), seed=62)
-    pool = dict(kv_block_size=4, kv_cache_tokens=40, kv_seq_tokens=8)
-    ref_gen = Generator(make_model("mistral", seed=61), max_batch_size=4, max_seq_len=40, **pool)
+    new_weights = perturbed_state_dict(make_model(MODEL, seed=61), seed=62)
+    ref_gen = Generator(make_model(MODEL, seed=61), **POOL)
     ref = run_streaming(ref_gen, prompts, params, swap=new_weights)
     stats = {}
     for budget in (0, 6, None):
-        model = make_model("mistral", seed=61)
-        gen = Generator(model, max_batch_size=4, max_seq_len=40, compile_decode=True, ride_tokens=budget, **pool)
+        model = make_model(MODEL, seed=61)
+        gen = Generator(model, compile_decode=True, ride_tokens=budget, **POOL)
         for i, (p, sp) in enumerate(zip(prompts, params)):
             gen.add_request(i, p, sp)
         outs, calls, ride_widths = {}, 0, set()
@@ -105,7 +109,7 @@ def test_compiled_step_writes_the_kv_pool_in_place():
 
 
 def test_a_tiny_pool_makes_admission_wait_and_preempts_with_the_same_outputs():
-    check_a_tiny_pool_waits_and_preempts_with_the_same_outputs("llama", compile_decode=True)
+    check_a_tiny_pool_waits_and_preempts_with_the_same_outputs(MODEL, compile_decode=True)
 
 
 def test_decode_attention_reads_only_live_blocks():
