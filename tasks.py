@@ -112,9 +112,10 @@ def format_prompt(question: str) -> str:
     return f"{PROMPT_PREFIX}{question}{PROMPT_SUFFIX}"
 
 
-def make_arith_dataset(num_train: int, num_test: int, seed: int = 0) -> datasets.DatasetDict:
-    """Disjoint train/test splits (no question text appears in both) with columns
-    prompt_id, question, answer (gold as a string), solution (a correct worked solution)."""
+def arith_splits(num_train: int, num_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """Disjoint train/test rows (no question text appears in both) with fields prompt_id, question, answer (gold
+    as a string), solution (a correct worked solution), terms, ops. Plain dicts: every rank builds them at start-up,
+    and a `datasets.Dataset` round trip would cost it the import of datasets."""
     rng = random.Random(seed)
     seen: set[str] = set()
     rows: list[dict] = []
@@ -134,11 +135,7 @@ def make_arith_dataset(num_train: int, num_test: int, seed: int = 0) -> datasets
         )
     for i, row in enumerate(rows):
         row["prompt_id"] = i
-    import datasets
-
-    return datasets.DatasetDict(
-        {"train": datasets.Dataset.from_list(rows[num_test:]), "test": datasets.Dataset.from_list(rows[:num_test])}
-    )
+    return rows[num_test:], rows[:num_test]
 
 
 def problem_from_row(row: dict) -> Problem:
@@ -151,8 +148,7 @@ def load_task(data_cfg, tokenizer, max_prompt_tokens: int | None = None) -> tupl
     A prompt longer than `max_prompt_tokens` tokens is a bad row (data.on_bad_row: skipped and counted, or an
     error naming it): the rollout could not generate for it."""
     if data_cfg.task == "arith":
-        ds = make_arith_dataset(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
-        train, test = list(ds["train"]), list(ds["test"])
+        train, test = arith_splits(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
         for row in train + test:
             row["prompt"] = format_prompt(row["question"])
     else:

@@ -156,10 +156,10 @@ def make_prompts(model_name: str, n_prompts: int, rng: random.Random, vocab: int
     if model_name == "tiny":  # the task's real prompts, so the model's own EOS ends them
         from transformers import AutoTokenizer
 
-        from tasks import format_prompt, make_arith_dataset
+        from tasks import arith_splits, format_prompt
 
         tok = AutoTokenizer.from_pretrained(TINY_DIR)
-        rows = make_arith_dataset(0, n_prompts, seed=123)["test"]
+        rows = arith_splits(0, n_prompts, seed=123)[1]
         return [tok(format_prompt(r["question"]))["input_ids"] for r in rows]
     return [[rng.randrange(1, vocab) for _ in range(rng.randint(16, 64))] for _ in range(n_prompts)]
 

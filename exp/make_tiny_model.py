@@ -35,7 +35,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tasks import format_prompt, make_arith_dataset, problem_from_row, worked_solution  # noqa: E402
+from tasks import arith_splits, format_prompt, problem_from_row, worked_solution  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -189,8 +189,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    data = make_arith_dataset(num_train=20000, num_test=1000, seed=args.seed)
-    train_rows, test_rows = list(data["train"]), list(data["test"])
+    train_rows, test_rows = arith_splits(num_train=20000, num_test=1000, seed=args.seed)
     t0 = time.time()
     if args.from_stage1:
         tok = AutoTokenizer.from_pretrained(args.from_stage1)

@@ -32,7 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from make_tiny_model import greedy_accuracy, sft  # noqa: E402
 
 from config import load_config  # noqa: E402
-from tasks import load_task, make_arith_dataset  # noqa: E402
+from tasks import arith_splits, load_task  # noqa: E402
 
 
 def main() -> None:
@@ -48,8 +48,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     warm = json.loads((Path(args.model) / "warm_start.json").read_text())
     data_cfg = load_config([]).data
-    ds = make_arith_dataset(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
-    train_rows, test_rows = list(ds["train"]), list(ds["test"])
+    train_rows, test_rows = arith_splits(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
     tok = AutoTokenizer.from_pretrained(args.model)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
 

@@ -28,9 +28,9 @@ def build_tiny_model(path: Path, hidden: int = 64, layers: int = 2, seed: int = 
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tasks import format_prompt, make_arith_dataset, problem_from_row, worked_solution
+    from tasks import arith_splits, format_prompt, problem_from_row, worked_solution
 
-    rows = list(make_arith_dataset(600, 10, seed)["train"])
+    rows = arith_splits(600, 10, seed)[0]
     rng = random.Random(seed)
     tok = make_tiny_model.train_tokenizer(
         [format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5) for r in rows], 400
