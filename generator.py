@@ -371,11 +371,13 @@ class Generator:
         if weight_layout == "auto" and self.device.type != "cpu":
             weight_layout = "row"
 
+        weight_bytes = sum(p.numel() * p.element_size() for p in model.parameters())
+
         def input_major(out_features: int, in_features: int) -> bool:
             return (
                 weight_layout == "input"
                 or weight_layout == "auto"
-                and input_major_is_faster(out_features, in_features, max_batch_size, self.dtype)
+                and input_major_is_faster(out_features, in_features, max_batch_size, self.dtype, weight_bytes)
             )
 
         self.qkv = [

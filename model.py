@@ -54,16 +54,17 @@ def layer_windows(config, n_layers: int) -> list[int | None]:
 _INPUT_MAJOR_FASTER: dict[tuple, bool] = {}
 
 
-def input_major_is_faster(out_features: int, in_features: int, rows: int, dtype: torch.dtype) -> bool:
+def input_major_is_faster(out_features: int, in_features: int, rows: int, dtype: torch.dtype, sweep_bytes: int) -> bool:
     """CPU: is x @ W faster with W stored [in, out] than [out, in] (an nn.Linear's), at decode size?
 
     MKL's small-GEMM speed depends on the weight's layout, both ways and by shape (gate/up can be faster
     input-major while down_proj is slower). So each shape is timed once per process, both layouts
-    interleaved over ~16 MB of weight copies (in a decode step the weights come from memory, not cache), best
-    of 5, and input-major must win by 5%. Both layouts give the same bits here (MKL); the tests run both."""
-    key = (out_features, in_features, rows, dtype)
+    interleaved over `sweep_bytes` of weight copies -- the model's own weight bytes, at most 16 MB: a decode step
+    reads the weights from memory when the model outgrows the caches and from cache when it does not -- best of 5,
+    and input-major must win by 5%. Both layouts give the same bits here (MKL); the tests run both."""
+    copies = max(2, min(sweep_bytes, 16 << 20) // (out_features * in_features * dtype.itemsize))
+    key = (out_features, in_features, rows, dtype, copies)
     if key not in _INPUT_MAJOR_FASTER:
-        copies = max(2, (16 << 20) // (out_features * in_features * dtype.itemsize))
         x = torch.randn(rows, in_features, dtype=dtype)
         layouts = {"row": [torch.randn(out_features, in_features, dtype=dtype) for _ in range(copies)]}
         layouts["input"] = [w.t().contiguous().t() for w in layouts["row"]]
