@@ -1,6 +1,5 @@
 """Staleness buffer: the per-token bound, exactly-once consumption and progress under any completion order."""
 
-import os
 import random
 import sys
 from pathlib import Path
@@ -14,14 +13,7 @@ from buffer import StalenessBuffer, StalenessError, Trajectory, group_advantages
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "exp"))
 import buffer_stress  # noqa: E402
-
-# The randomized searches below run their whole budget under HEXRL_FULL_SEARCH=1 (.ci/run sets it, so every CI run
-# searches as far as written) and a fifth of it otherwise, which keeps tests/unit a quick inner loop.
-FULL_SEARCH = os.environ.get("HEXRL_FULL_SEARCH") == "1"
-
-
-def budget(n: int) -> int:
-    return n if FULL_SEARCH else max(2, n // 5)  # two seeds at least: the odd ones drop a rank
+from search_budget import budget  # noqa: E402  (HEXRL_FULL_SEARCH=1: the whole budget)
 
 
 def fake_group(ticket, version_now, G=2, first_version=None):
