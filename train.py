@@ -310,9 +310,12 @@ class TrainHead:
             self.log_evals(self.evals.record(msg["version"], src, msg["correct"]))
         elif kind == "weights_ok":
             self.weight_acks.acked(msg["version"], src)
-            for mate, why in msg.get("failed", {}).items():  # a machine-mate it relays to did not take them
+            # A machine-mate it relays to did not take them: a lost mate, or a live one that gave up on this relay
+            # while it waited on a stopped sibling (their link then fails both ways). Either way the owners send it the
+            # version straight, as to a mate whose relay failed, and their deadline says whether it is lost.
+            for mate in msg.get("failed", {}):
                 if int(mate) in self.pool.live:
-                    self.drop_rollout_rank(int(mate), f"did not take weights from its relay ({why[:120]})")
+                    self.resync_wanted.add(int(mate))
         elif kind == "weights_failed":  # its relay never delivered: straight from the owners, unless done already
             self.resync_wanted.add(src)
         elif kind == "ready":

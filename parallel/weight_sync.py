@@ -29,7 +29,8 @@ Faults: an owner's wait that fails or passes dist.rollout_timeout_s marks that r
 all-reduce the failures and the head drops those replicas and sends the version again, straight from the owners,
 to the machine-mates they relayed to (which gave up on their relay after `mate_timeout_s`, reported
 `weights_failed`, and generate nothing until a whole version has arrived). A relay whose forward fails names the
-mate in its `weights_ok`; the head drops it. A checksum mismatch raises WeightSyncError: the rank stops rather
+mate in its `weights_ok`, and the owners send that mate the version straight too: a live mate may have given up on a
+relay that was waiting on a stopped sibling, and the owners' deadline tells it from a lost one. A checksum mismatch raises WeightSyncError: the rank stops rather
 than generate with corrupted weights.
 """
 

@@ -342,8 +342,8 @@ def launch_without_agent(args: list[str], log_prefix: Path, rank_env: dict[int, 
 @pytest.mark.alone  # times the drops against dist.rollout_timeout_s
 @pytest.mark.parametrize(
     "victims",  # rank -> (version, signal), in the order they are lost
-    [{4: (2, "KILL"), 2: (4, "STOP")}, {2: (2, "KILL"), 4: (4, "STOP")}],
-    ids=["killed-mate-then-stopped-relay", "killed-relay-then-stopped-mate"],
+    [{4: (2, "KILL"), 2: (4, "STOP")}, {2: (2, "KILL"), 4: (4, "STOP")}, {4: (2, "STOP"), 2: (4, "KILL")}],
+    ids=["killed-mate-then-stopped-relay", "killed-relay-then-stopped-mate", "stopped-mate-then-killed-relay"],
 )
 def test_rollout_rank_lost_mid_weight_sync_is_dropped_and_the_run_finishes(tmp_path, tiny_model_dir, victims):
     """Ranks 2, 3 and 4 are the rollout replicas of one machine: its lowest live one (2, then 3 once 2 is lost) is the
