@@ -760,8 +760,8 @@ def exit_on_error(e: BaseException) -> None:
     if not isinstance(e, Aborted):  # the head has printed why it aborted the run
         print(f"[rank {rank}] error: {e}", file=sys.stderr, flush=True)
     if os.environ.get("GROUP_RANK", "0") == "0" and os.environ.get("WORLD_SIZE") != os.environ.get("LOCAL_WORLD_SIZE"):
-        # node 0's agent hosts the rendezvous store: leaving at once would cut the other nodes' agents off before
-        # they see their own ranks' exit codes
+        # node 0's agent hosts the rendezvous store when node 0 is the endpoint's machine (exp/multi_node_cpu.sh pins
+        # it with is_host): leaving at once would cut the other nodes' agents off before they see their ranks' codes
         time.sleep(2.0)
     os._exit(getattr(e, "exit_code", 2))
 

@@ -8,8 +8,11 @@
 #   PLAN=my_plan.json STEPS=4 bash exp/multi_node_cpu.sh train.lr=2e-5   # a given plan; extra train.py overrides
 #
 # The plan is made with --rollout-tp $ROLLOUT_TP (default 1: every rollout rank its own TP-1 replica). With c10d,
-# torchrun orders the nodes by (host name, agent pid), not by --node_rank: on one host the agent started first is
-# usually node 0. The two machines here are alike, so either order is the plan's.
+# torchrun orders the nodes by (host name, agent pid), not by --node_rank: on one host the agent started first (the
+# lower pid) is node 0. The two machines here are alike, so either order is the plan's. Both agents match the
+# endpoint's host, so the rendezvous store would go to whichever binds the port first; node 0's agent is made its
+# host (is_host), because train.py's ranks on node 0 leave last after an error so that the other agents, still
+# reading the store, see their own ranks' exit codes first.
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
@@ -44,13 +47,13 @@ pids=()
 for node in 0 1; do
   "$PYTHON" -m torch.distributed.run --nnodes=2 --node_rank="$node" --nproc_per_node="$NPROC" \
     --rdzv_backend=c10d --rdzv_endpoint="127.0.0.1:$PORT" --rdzv_id="hexrl-multi-node-cpu-$PORT" \
-    --rdzv_conf="join_timeout=$JOIN_TIMEOUT" --local_addr=127.0.0.1 --max_restarts=0 \
+    --rdzv_conf="join_timeout=$JOIN_TIMEOUT,is_host=$((node == 0))" --local_addr=127.0.0.1 --max_restarts=0 \
     train.py model.path="$MODEL" plan="$PLAN" logging.run_dir="$OUT" logging.run_name=run logging.wandb=disabled \
     logging.progress=false logging.eval_every=0 train.total_steps="$STEPS" train.max_train_seconds=0 \
     train.prompts_per_step=2 rollout.samples_per_prompt=4 rollout.max_new_tokens=16 data.num_train=100 \
     data.num_test=4 dist.timeout_s=120 dist.rollout_timeout_s=60 "$@" > "$OUT/node$node.log" 2>&1 &
   pids+=("$!")
-  sleep 0.5 # node 0's agent starts first (lower pid), so on this host it is usually c10d's node 0 too
+  sleep 0.5 # node 0's agent starts first (lower pid), so on this host it is c10d's node 0 too
 done
 
 status=0
