@@ -30,7 +30,7 @@ Each generated token carries the policy version that sampled it.
 
 Tensor parallelism (`tp_group` of k ranks): decode reads every weight and the whole KV cache each step, so k
 devices that each hold 1/k of them decode a model (or a batch) one device cannot hold, and each step reads 1/k as
-much per device. Sharding follows the trainer's rules (parallel/tensor_parallel.py), so the full HF tensors the
+much per device. Sharding follows the TP split of model_family.py (the trainer's too), so the full HF tensors the
 weight sync sends are sliced the same way: q/k/v and gate/up by rows (whole heads, contiguous: a rank's query
 heads use exactly its own KV heads, the n_kv_heads/k its cache holds), o_proj and down_proj by columns, embedding
 and LM head by vocabulary rows. A layer costs two all-reduces (o_proj's and down_proj's outputs, before the
@@ -57,7 +57,6 @@ from config import ConfigError, RolloutConfig
 from kv_cache import KVPool, available_memory
 from model import (
     ROPE_TABLE_TYPES,
-    SUPPORTED_MODEL_TYPES,
     fuse_linears,
     input_major_is_faster,
     layer_windows,
@@ -65,7 +64,7 @@ from model import (
     rope,
     signed_sin,
 )
-from parallel.tensor_parallel import check_tp_divides, shard_dim, slice_shard
+from model_family import check_tp_divides, model_family, shard_dim, slice_shard
 from sampler import sample_tokens, seed_hash, uniform_from_hash
 
 try:  # torch-native paged decode attention (the GPU path: compiled into one kernel that reads the live blocks in place)
@@ -289,9 +288,7 @@ class Generator:
         ride_tokens: int | None = None,
     ):
         config = model.config
-        model_type = getattr(config, "model_type", None)
-        if model_type not in SUPPORTED_MODEL_TYPES:
-            raise ValueError(f"Generator supports model types {SUPPORTED_MODEL_TYPES}, got {model_type!r}")
+        model_family(getattr(config, "model_type", None))
         if interrupt_mode not in ("recompute", "keep"):
             raise ValueError(f"interrupt_mode must be 'recompute' or 'keep', got {interrupt_mode!r}")
         if max_batch_size < 1 or max_seq_len < 2:
@@ -575,7 +572,7 @@ class Generator:
         return KVPool(*geometry[:3], max(num_blocks, 1), block_size, self.dtype, self.device)
 
     def _shard_model(self, model) -> dict[str, tuple[int, tuple[int, ...]]]:
-        """Replace each split parameter by this rank's slice, by the trainer's rules (parallel/tensor_parallel.py:
+        """Replace each split parameter by this rank's slice, by the TP split of model_family.py (
         q/k/v, gate/up, embedding and LM head by rows, o_proj and down_proj by columns); returns name ->
         (dim, full shape). A tied embedding is one Parameter under two names: sliced once."""
         params = dict(model.named_parameters(remove_duplicate=False))

@@ -12,7 +12,6 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # model_type values the generator runs
 ROPE_TABLE_TYPES = ("default", "linear", "llama3", "yarn")  # cos/sin depend on the position only
 RMS_NORM_CLASSES = ("LlamaRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm", "MistralRMSNorm")  # x * rsqrt(mean x^2 + eps) * w
 

@@ -2,7 +2,7 @@
 
 The runtime sends exactly these buckets (parallel/weight_sync.py, parallel/trainer.py) and the planner prices the
 very same list (planner/cost.py), so both import this module; it imports no torch and nothing of the planner.
-  hf_shape / hf_param_table   the HF Llama / Qwen2 / Mistral state dict as (name, numel) in state-dict order
+  hf_shape / hf_param_table   the HF state dict of a model family (model_family.py) as (name, numel) in state-dict order
   param_stage                 the pipeline stage that owns a tensor
   sync_buckets / SyncBucket   the buckets of one version, per stage in order, each sealed by an int64 checksum
   assign_senders              which DP replica's owner of a stage sends it to each rollout machine
@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+
+from model_family import MODEL_FAMILIES, model_family
 
 SYNC_CHECKSUM_BYTES = 8  # each bucket carries its int64 checksum after its payload (padded to 8 bytes)
 
@@ -49,13 +51,16 @@ class HFShape:
     vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3: per-head RMSNorm weights of q and k
 
 
 def hf_shape(cfg: dict) -> HFShape:
     """An HF config.json (dict) read as its sizes: KV heads default to the heads, head_dim to hidden / heads, and
-    q/k/v carry a bias where `attention_bias` says so or, without it, for Qwen2. Raises KeyError, TypeError or
-    ValueError on a missing or malformed field."""
+    q/k/v carry a bias where `attention_bias` says so or, without it, where the family has one (model_family.py; a
+    config without model_type reads as Llama). Raises KeyError, TypeError or ValueError on a missing or malformed
+    field, ModelFamilyError (a ValueError) on a family hexrl does not run."""
     hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
+    family = model_family(cfg["model_type"]) if "model_type" in cfg else MODEL_FAMILIES["llama"]
     return HFShape(
         layers=int(cfg["num_hidden_layers"]),
         hidden=hidden,
@@ -65,12 +70,13 @@ def hf_shape(cfg: dict) -> HFShape:
         head_dim=int(cfg.get("head_dim") or hidden // heads),
         vocab=int(cfg["vocab_size"]),
         tied=bool(cfg.get("tie_word_embeddings", False)),
-        qkv_bias=bool(cfg.get("attention_bias", cfg.get("model_type") == "qwen2")),
+        qkv_bias=bool(cfg.get("attention_bias", family.qkv_bias)),
+        qk_norm=family.qk_norm,
     )
 
 
 def hf_param_table(model: HFShape) -> list[tuple[str, int]]:
-    """The HF Llama / Qwen2 / Mistral state dict as weight sync sends it: (name, numel) in state-dict order; a tied
+    """The HF state dict of a model family as weight sync sends it: (name, numel) in state-dict order; a tied
     model sends no lm_head (the receiver's lm_head is its embedding). `model`: an HFShape or anything with its
     fields (the planner's ModelSpec)."""
     q, kv, h = model.heads * model.head_dim, model.kv_heads * model.head_dim, model.hidden
@@ -82,6 +88,8 @@ def hf_param_table(model: HFShape) -> list[tuple[str, int]]:
             if model.qkv_bias:
                 out.append((f"{p}self_attn.{proj}.bias", rows))
         out.append((f"{p}self_attn.o_proj.weight", h * q))
+        if getattr(model, "qk_norm", False):
+            out += [(f"{p}self_attn.q_norm.weight", model.head_dim), (f"{p}self_attn.k_norm.weight", model.head_dim)]
         out += [(f"{p}mlp.{m}_proj.weight", h * model.intermediate) for m in ("gate", "up", "down")]
         out += [(f"{p}input_layernorm.weight", h), (f"{p}post_attention_layernorm.weight", h)]
     out.append(("model.norm.weight", h))

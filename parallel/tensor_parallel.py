@@ -26,45 +26,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-SUPPORTED_MODEL_TYPES = ("llama", "qwen2", "mistral")
+from model_family import check_tp_divides, model_family, shard_dim, slice_shard
 
 try:  # optional GPU kernel (requirements-gpu.txt); the padded SDPA path below is exact without it
     from flash_attn import flash_attn_varlen_func
 except ImportError:
     flash_attn_varlen_func = None
-
-# how each HF parameter is split across TP ranks: 0 = rows (column-parallel / vocab), 1 = columns (row-parallel)
-_ROW_SPLIT = (
-    "embed_tokens.weight",
-    "lm_head.weight",
-    "q_proj.weight",
-    "q_proj.bias",
-    "k_proj.weight",
-    "k_proj.bias",
-    "v_proj.weight",
-    "v_proj.bias",
-    "gate_proj.weight",
-    "gate_proj.bias",
-    "up_proj.weight",
-    "up_proj.bias",
-)
-_COL_SPLIT = ("o_proj.weight", "down_proj.weight")
-
-
-def shard_dim(name: str) -> int | None:
-    """TP split dimension of an HF parameter name (None = replicated on every TP rank)."""
-    if name.endswith(_ROW_SPLIT):
-        return 0
-    if name.endswith(_COL_SPLIT):
-        return 1
-    return None
-
-
-def slice_shard(full: torch.Tensor, dim: int | None, tp_rank: int, tp: int) -> torch.Tensor:
-    if dim is None or tp == 1:
-        return full
-    return full.chunk(tp, dim=dim)[tp_rank]
-
 
 # ----------------------------------------------------------------------------------------------------------------
 # the two TP communication primitives (Megatron's f and g)
@@ -334,30 +301,10 @@ class DecoderStage(nn.Module):
         return self.shard_specs.get(name) is None
 
 
-def check_tp_divides(cfg, tp: int) -> None:
-    """Head, MLP and vocabulary sharding split whole heads / rows: tp must divide each count. KV heads are never
-    replicated across ranks, so a tp above num_key_value_heads is refused too. Shared by the trainer and the
-    rollout Generator, which shard by the same rules."""
-    for what, n in (
-        ("num_attention_heads", cfg.num_attention_heads),
-        ("num_key_value_heads", cfg.num_key_value_heads),
-        ("vocab_size", cfg.vocab_size),
-        ("intermediate_size", cfg.intermediate_size),
-    ):
-        if n % tp:
-            raise ValueError(
-                f"tp={tp} must divide {what}={n} (tensor parallelism splits whole heads, MLP rows and vocabulary "
-                "rows across ranks; KV heads are not replicated)"
-            )
-
-
 def check_model_supports_tp(cfg, tp: int) -> None:
     """What the parallel trainer runs: its model types, no sliding window, and the TP divisibility."""
-    if getattr(cfg, "model_type", None) not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model_type {getattr(cfg, 'model_type', None)!r} not supported "
-            f"(supported: {', '.join(SUPPORTED_MODEL_TYPES)})"
-        )
+    if model_family(getattr(cfg, "model_type", None)).qk_norm:
+        raise ValueError("Qwen3's q/k norms are not supported by the parallel trainer yet")
     if getattr(cfg, "use_sliding_window", False) or (cfg.model_type == "mistral" and cfg.sliding_window):
         raise ValueError("sliding-window attention is not supported by the parallel trainer")
     check_tp_divides(cfg, tp)

@@ -1,7 +1,7 @@
 """The planner's inputs: the cluster, the model, the workload and the achieved fractions of peak.
 
   cluster spec  -> GPUType / Machine / Cluster     (exp/clusters/*.yaml)
-  model spec    -> ModelSpec                       (any Llama/Qwen2/Mistral HF config.json)
+  model spec    -> ModelSpec                       (an HF config.json of a family in model_family.py)
   workload      -> Workload                        (batch, lengths, eta, precision)
   efficiencies  -> Efficiency                      (achieved fraction of peak: calibrated, or a device profile)
 Units: seconds, bytes, FLOPs, tokens. GB = 1e9 bytes, TFLOP/s = 1e12 FLOP/s.
@@ -273,14 +273,14 @@ class ModelSpec:
     vocab: int
     tied: bool
     qkv_bias: bool
+    qk_norm: bool = False  # Qwen3's per-head q/k RMSNorm weights
 
     @property
     def layer_params(self) -> int:
         q, kv = self.heads * self.head_dim, self.kv_heads * self.head_dim
         bias = (q + 2 * kv) if self.qkv_bias else 0
-        return (
-            self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + 2 * self.hidden + bias
-        )
+        norms = 2 * self.hidden + (2 * self.head_dim if self.qk_norm else 0)
+        return self.hidden * (q + 2 * kv) + q * self.hidden + 3 * self.hidden * self.intermediate + norms + bias
 
     @property
     def head_params(self) -> int:  # the LM head matmul always runs; it has its own weights only if untied
@@ -314,7 +314,7 @@ class ModelSpec:
             "head_dim": self.head_dim,
             "vocab_size": self.vocab,
             "tie_word_embeddings": self.tied,
-            "model_type": "qwen2" if self.qkv_bias else "llama",
+            "model_type": "qwen3" if self.qk_norm else "qwen2" if self.qkv_bias else "llama",
         }
 
 

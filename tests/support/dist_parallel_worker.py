@@ -34,6 +34,7 @@ import torch.distributed as dist  # noqa: E402
 from torch.distributed.tensor import DTensor  # noqa: E402
 
 from config import TrainConfig  # noqa: E402
+from model_family import slice_shard  # noqa: E402
 from parallel.groups import build_groups  # noqa: E402
 from parallel.ppo import (  # noqa: E402
     aggregation_weights,
@@ -43,7 +44,6 @@ from parallel.ppo import (  # noqa: E402
     token_logprobs_and_entropy,
     vocab_parallel_logprobs_and_entropy,
 )
-from parallel.tensor_parallel import slice_shard  # noqa: E402
 from parallel.trainer import Trainer  # noqa: E402
 from plan import make_train_plan  # noqa: E402
 

@@ -11,6 +11,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from model_family import MODEL_FAMILIES  # noqa: E402
 from parallel import sync_layout  # noqa: E402
 from planner import calibration, cost_model, specs  # noqa: E402
 
@@ -336,14 +337,15 @@ def test_train_step_charges_the_micro_batches_the_runtime_packs(dp, pp):
     assert step(2 * dp, 2100.0) == pytest.approx(exact * 2100 / 2048, rel=0.02)
 
 
-@pytest.mark.parametrize("kind, tied", [("llama", False), ("qwen2", True)])
+@pytest.mark.parametrize("kind", sorted(MODEL_FAMILIES))
+@pytest.mark.parametrize("tied", [False, True])
 def test_param_table_is_the_hf_state_dict(kind, tied):
-    """What the planner prices is what HF holds: names, sizes and order (a tied model sends no lm_head)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    """What the planner prices is what HF holds, for every family hexrl runs: names, sizes and order (a tied model
+    sends no lm_head)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
 
-    cls = {"llama": LlamaConfig, "qwen2": Qwen2Config}[kind]
-    config = cls(
-        vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+    config = AutoConfig.for_model(
+        kind, vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
         num_key_value_heads=2, tie_word_embeddings=tied,
     )  # fmt: skip
     model = AutoModelForCausalLM.from_config(config)
@@ -351,6 +353,12 @@ def test_param_table_is_the_hf_state_dict(kind, tied):
     spec = specs.model_from_config(config.to_dict())
     assert sync_layout.hf_param_table(spec) == want
     assert sum(n for _, n in want) == spec.params
+    assert specs.model_from_config(spec.to_config()) == spec  # the plan's copy of the model reads back the same
+
+
+def test_a_family_outside_the_list_is_one_error_naming_it():
+    with pytest.raises(specs.SpecError, match="'gpt2' is not supported .*llama, qwen2, qwen3, mistral"):
+        specs.model_from_config({**specs.load_model_spec("qwen2.5-0.5b").to_config(), "model_type": "gpt2"})
 
 
 def test_sync_buckets_cover_every_tensor_once_per_stage_within_the_size():

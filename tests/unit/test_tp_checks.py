@@ -7,7 +7,8 @@ import torch
 from test_generator import make_model
 
 from generator import gpu_options
-from parallel.tensor_parallel import check_model_supports_tp, check_tp_divides
+from model_family import check_tp_divides
+from parallel.tensor_parallel import check_model_supports_tp
 
 
 def test_gpu_options_never_compiles_under_tp():
