@@ -1,4 +1,6 @@
-"""Pipeline schedules over the PP group: 1F1B for training, a plain forward sweep for inference (prox log-probs).
+"""Our own 1F1B over the PP group (torch's PipelineStage needs static shapes; our packed micro-batches vary in length).
+
+Two schedules: 1F1B for training, a plain forward sweep for inference (prox log-probs).
 
 A stage is described by a callable `step(i, x) -> y`: micro-batch i, input x (None on the first stage, which reads
 token ids itself), output y (hidden activations to send on, or on the last stage a scalar loss for training /

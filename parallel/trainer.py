@@ -28,9 +28,10 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 from config import TrainConfig
+from parallel.packed_attention import PackedSeqs, packed_position_ids
 from parallel.packing import balanced_partition, dynamic_microbatches
 from parallel.pipeline import StageLinks, forward_only, train_1f1b
 from parallel.ppo import (
@@ -41,8 +42,8 @@ from parallel.ppo import (
     token_logprobs_and_entropy,
     vocab_parallel_logprobs_and_entropy,
 )
+from parallel.stage import Stage
 from parallel.sync_layout import SyncBucket, param_stage, sync_buckets
-from parallel.tensor_parallel import DecoderStage, PackedSeqs, packed_position_ids
 
 
 @dataclass
@@ -132,10 +133,11 @@ class Trainer:
             if n.startswith(("model.embed_tokens", "model.layers.", "model.norm", "lm_head"))
         }
 
-        def this_ranks_stage(model) -> DecoderStage:
+        self.dp_mesh, tp_mesh = self._meshes()
+
+        def this_ranks_stage(model) -> Stage:
             g = groups
-            stage = DecoderStage(model, g.layers, g.is_first_stage, g.is_last_stage, g.tp_rank, g.tp, g.tp_group)
-            return stage.to(self.device)
+            return Stage(model, g.layers, g.is_first_stage, g.is_last_stage, tp_mesh, self.device)
 
         self.stage = this_ranks_stage(hf_model)
         self.stage.activation_checkpointing = config.activation_checkpointing
@@ -155,15 +157,25 @@ class Trainer:
         self.autocast_dtype = compute_dtype if compute_dtype != torch.float32 else None
         self.step = 0
 
-    def _shard_over_dp(self, stage: DecoderStage, compute_dtype: torch.dtype) -> None:
+    def _meshes(self) -> tuple[DeviceMesh, DeviceMesh | None]:
+        """This stage's DP mesh (FSDP's) and TP mesh (None without TP), one 2-D mesh over the existing groups when
+        both are there: FSDP2 composes with TP's DTensors when their meshes share a root."""
+        g, device = self.groups, self.device.type
+        if g.tp == 1:
+            return DeviceMesh.from_group(g.dp_group, device_type=device), None
+        first = g.pp_rank * g.dp * g.tp  # the plan's train ranks run pp-major, then dp, then tp
+        grid = torch.tensor(g.train_ranks[first : first + g.dp * g.tp]).view(g.dp, g.tp)
+        mesh = DeviceMesh.from_group([g.dp_group, g.tp_group], device, mesh=grid, mesh_dim_names=("dp", "tp"))
+        return mesh["dp"], mesh["tp"]
+
+    def _shard_over_dp(self, stage: Stage, compute_dtype: torch.dtype) -> None:
         """FSDP2 over this stage's DP group: one unit per decoder layer, the stage itself holds the embedding, the
         final norm and the LM head (a tied pair must share a unit). Gradients are summed, not averaged: the loss is
         already normalised by the global token count."""
-        mesh = DeviceMesh.from_group(self.groups.dp_group, device_type=self.device.type)
         policy = MixedPrecisionPolicy(param_dtype=compute_dtype, reduce_dtype=torch.float32)
         units = [*stage.model.layers.values(), stage]
         for unit in units:
-            fully_shard(unit, mesh=mesh, mp_policy=policy)
+            fully_shard(unit, mesh=self.dp_mesh, mp_policy=policy)
         for unit in units:
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)  # a plain SUM (gloo has no PREMUL_SUM)
@@ -389,8 +401,10 @@ class Trainer:
             name = "model.embed_tokens.weight" if g.is_first_stage else "lm_head.weight"
             # under FSDP both copies are sharded alike (same DP degree, same shape): their local shards pair up
             dist.all_reduce(local(self.params[name].grad), group=g.embedding_group)
+        for name in sorted(self.stage.tp_partial_grads & self.params.keys()):  # each TP rank saw its own heads
+            dist.all_reduce(local(self.params[name].grad), group=g.tp_group)
         if g.dp > 1 and not self.fsdp:  # FSDP reduce-scattered each layer's gradients in its backward
-            self._allreduce_buckets([p.grad for p in self.params.values()], g.dp_group)
+            self._allreduce_buckets([local(p.grad) for p in self.params.values()], g.dp_group)
 
     def _allreduce_buckets(self, grads: list[torch.Tensor], group) -> None:
         """SUM all-reduce in flat buckets of about grad_bucket_mb (last layers first, like DDP)"""
@@ -541,7 +555,11 @@ class Trainer:
         """This rank's TP slice of a parameter, whole over DP, in `dtype`: under FSDP an all-gather over the DP group
         of this one tensor (COLLECTIVE over it), cast before it travels."""
         p = self.params[name].detach()
-        return p.to(dtype).full_tensor() if isinstance(p, DTensor) else p
+        if not isinstance(p, DTensor):
+            return p
+        names = p.device_mesh.mesh_dim_names or ()
+        whole_over_dp = [x if i < len(names) and names[i] == "tp" else Replicate() for i, x in enumerate(p.placements)]
+        return p.to(dtype).redistribute(p.device_mesh, whole_over_dp).to_local()
 
     @torch.no_grad()
     def fill_bucket(

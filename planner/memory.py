@@ -226,7 +226,7 @@ def fake_runtime(free_bytes=None):
     from torch.distributed.device_mesh import DeviceMesh
 
     import generator
-    from parallel.tensor_parallel import PackedSeqs
+    from parallel.packed_attention import PackedSeqs
 
     def module_to(self, *args, **kwargs):
         device, dtype, *_ = torch._C._nn._parse_to(*args, **kwargs)
@@ -275,8 +275,12 @@ def fake_runtime(free_bytes=None):
             packed = original["build"].__func__(cls, seq_lens, "cpu")
         if packed is None:
             return None
-        tensors = {f.name: getattr(packed, f.name) for f in dataclasses.fields(packed)}
-        fakes = {k: mode.from_tensor(v).clone() for k, v in tensors.items() if isinstance(v, torch.Tensor)}
+
+        def fake(v):
+            return mode.from_tensor(v).clone() if isinstance(v, torch.Tensor) else v
+
+        fakes = {f.name: fake(getattr(packed, f.name)) for f in dataclasses.fields(packed)}
+        fakes["bins"] = [tuple(fake(x) for x in b) for b in packed.bins]
         return dataclasses.replace(packed, **fakes)
 
     torch.nn.Module.to = module_to

@@ -208,7 +208,7 @@ class Planner:
 
     def tp_ok(self, tp: int) -> bool:
         """TP must split the attention heads and the KV heads evenly: the runtime shards both and never replicates KV
-        heads (parallel/tensor_parallel.py refuses a tp above num_key_value_heads)."""
+        heads (model_family.check_tp_divides refuses a tp above num_key_value_heads)."""
         return self.model.heads % tp == 0 and self.model.kv_heads % tp == 0
 
     def _layout(

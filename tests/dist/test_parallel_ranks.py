@@ -1,5 +1,5 @@
 """The trainer's parallel pieces on real gloo ranks against one process: the multi-rank equivalence run (torchrun,
-4 ranks, 7 layouts x {Qwen2 tied+bias, Llama GQA} against the 1-process reference) and vocab-parallel log-probs /
+4 ranks, 7 layouts x {Qwen2 tied+bias, Llama GQA, Qwen3 q/k norms, Mistral sliding window} against the 1-process reference) and vocab-parallel log-probs /
 entropy (2 ranks) against the full-vocab version, values and gradients."""
 
 import os
@@ -15,6 +15,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 # dp > 1 shards with FSDP2; "allreduce": the same layout without it (train.shard_state=false)
 LAYOUTS = "2,1,1:4;1,2,1:4;1,1,2:3+1;2,2,1:4;1,2,2:1+3;2,1,2:2+2;2,1,2:2+2:allreduce"
+MODELS = ("qwen2", "llama", "qwen3", "mistral")  # every family of model_family.py
 
 
 @pytest.fixture(scope="module")
@@ -38,7 +39,7 @@ def parallel_run(tmp_path_factory):
         "--layouts",
         LAYOUTS,
         "--models",
-        "qwen2,llama",
+        ",".join(MODELS),
         "--vocab-parallel-out",
         str(out),
     ]
@@ -55,7 +56,7 @@ def test_layouts_match_single_process_reference(parallel_run):
     failed = [l for l in results if "FAIL" in l]
     assert proc.returncode == 0 and not failed, "\n".join(failed) or (proc.stdout + proc.stderr)[-4000:]
     # every layout x model reported its checks: head has gather x2 + params; every train rank loss/grads/step_loss
-    for model in ("qwen2", "llama"):
+    for model in MODELS:
         for layout in LAYOUTS.split(";"):
             dims, split, *mode = layout.split(":")
             dp, tp, pp = dims.split(",")
@@ -64,7 +65,8 @@ def test_layouts_match_single_process_reference(parallel_run):
             n_train = int(dp) * int(tp) * int(pp)
             assert len(got) == 2 + 3 * n_train, (tag, got)
     # the Llama case trains with a sequence-level mask that really drops sequences (checked on every rank)
-    assert len([r for r in results if "llama mis-geo drops some sequences" in r and "PASS" in r]) == 4, results
+    for model in ("llama", "mistral"):  # the models that train with it
+        assert len([r for r in results if f"{model} mis-geo drops some sequences" in r and "PASS" in r]) == 4, results
 
 
 def test_vocab_parallel_matches_full_vocab(parallel_run):

@@ -1,6 +1,6 @@
 """torchrun worker: the parallel trainer against a 1-process reference (plain HF forward + decoupled_ppo_loss).
 
-    torchrun --nproc_per_node=4 tests/support/dist_parallel_worker.py --layouts "2,1,1:2+2;1,1,2:3+1" --models qwen2,llama
+    torchrun --nproc_per_node=4 tests/support/dist_parallel_worker.py --layouts "2,1,1:2+2;1,1,2:3+1" --models qwen2,llama,qwen3,mistral
         [--vocab-parallel-out DIR]
 
 For each model and each layout (dp,tp,pp:layers per stage), ranks 0..dp*tp*pp-1 train, the rest are rollout ranks
@@ -65,7 +65,7 @@ class Traj:
 
 
 def tiny_model(kind: str):
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    from transformers import AutoModelForCausalLM, LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
     common = dict(
         vocab_size=96,
@@ -82,6 +82,10 @@ def tiny_model(kind: str):
         cfg = Qwen2Config(**common, tie_word_embeddings=True)
     elif kind == "llama":  # GQA, untied
         cfg = LlamaConfig(**common, tie_word_embeddings=False)
+    elif kind == "qwen3":  # per-head q/k norms (their gradients sum over TP), explicit head_dim, tied
+        cfg = Qwen3Config(**common, head_dim=8, tie_word_embeddings=True)
+    elif kind == "mistral":  # a sliding window shorter than the longer sequences
+        cfg = MistralConfig(**common, sliding_window=5, tie_word_embeddings=False)
     else:
         raise ValueError(kind)
     cfg._attn_implementation = "sdpa"
@@ -252,12 +256,12 @@ def main() -> int:
 
     for kind in args.models.split(","):
         model = tiny_model(kind)
-        # Qwen2: AReaL's cap mask and token-mean; Llama: a sequence-level geometric-mean mask (some sequences of
-        # the stale behaviour policy fall outside it), GRPO's per-sequence token mean and a k3 KL to the initial
-        # weights (a frozen reference sharded like the policy)
+        # Qwen2, Qwen3: AReaL's cap mask and token-mean; Llama, Mistral: a sequence-level geometric-mean mask (some
+        # sequences of the stale behaviour policy fall outside it), GRPO's per-sequence token mean and a k3 KL to the
+        # initial weights (a frozen reference sharded like the policy)
         variant = (
             {"behav_imp_weight_cap": 3.0}
-            if kind == "qwen2"
+            if kind in ("qwen2", "qwen3")
             else {
                 "behav_correction": "mis-geo",
                 "behav_correction_bounds": [0.85, 1.2],
@@ -277,7 +281,7 @@ def main() -> int:
             **variant,
         )
         trajs = make_trajectories(model, 10, TEMPERATURE)
-        if kind != "qwen2":  # the mask must act, or this case could not fail
+        if cfg.behav_correction == "mis-geo":  # the mask must act, or this case could not fail
             low, high = (math.log(b) for b in cfg.behav_correction_bounds)
             with torch.no_grad():
                 geo = [
@@ -313,14 +317,16 @@ def main() -> int:
                 report(tag + " loss", abs(loss - ref_loss) <= TOL * abs(ref_loss), f"{loss:.8g} vs {ref_loss:.8g}")
                 worst, worst_name = 0.0, ""
                 for name, p in trainer.params.items():
-                    # under FSDP (dp > 1) the gradient is this DP rank's shard: compare the whole (TP-sliced) tensor
+                    # a DTensor gradient (TP and/or FSDP shards) is compared whole; a plain one is this rank's TP slice
                     grad = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
                     if dp > 1 and not mode and not isinstance(p.grad, DTensor):
                         report(tag + " grads_sharded_over_dp", False, f"{name}: a plain tensor, not a DP shard")
                     ref_name = (
                         "model.embed_tokens.weight" if (name == "lm_head.weight" and name not in ref_grads) else name
                     )
-                    expected = slice_shard(ref_grads[ref_name], trainer.stage.shard_specs[name], groups.tp_rank, tp)
+                    expected = ref_grads[ref_name]
+                    if not isinstance(p.grad, DTensor):
+                        expected = slice_shard(expected, trainer.stage.shard_specs[name], groups.tp_rank, tp)
                     if grad.shape != expected.shape:
                         report(tag + " grad_shape", False, f"{name} {tuple(grad.shape)} vs {tuple(expected.shape)}")
                         continue

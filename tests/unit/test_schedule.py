@@ -363,7 +363,7 @@ def test_rollout_replicas_have_pp_1_and_shardable_tp():
 
 
 def test_train_tp_splits_whole_kv_heads():
-    """The trainer shards whole KV heads (tensor_parallel refuses tp > num_key_value_heads): 1.5B has 2 KV heads, so
+    """The trainer shards whole KV heads (model_family refuses tp > num_key_value_heads): 1.5B has 2 KV heads, so
     on hetero_56 (8-GPU machines, where tp 4 would otherwise win) the plan trains with tp <= 2."""
     model = specs.load_model_spec("deepseek-r1-distill-qwen-1.5b")
     assert model.kv_heads == 2

@@ -1,14 +1,14 @@
 """Tensor parallelism's checks in process: gpu_options never compiles under TP, and the divisibility check is shared
-by the generator and the trainer, only the trainer refusing sliding windows (real TP-2 ranks:
-tests/dist/test_generator_tp.py)."""
+by the generator and the trainer, as is the family check (real TP-2 ranks: tests/dist/test_generator_tp.py,
+tests/dist/test_parallel_ranks.py)."""
 
 import pytest
 import torch
 from test_generator import make_model
 
-from generator import gpu_options
-from model_family import check_tp_divides
-from parallel.tensor_parallel import check_model_supports_tp
+from generator import Generator, gpu_options
+from model_family import ModelFamilyError, check_tp_divides
+from parallel.stage import Stage
 
 
 def test_gpu_options_never_compiles_under_tp():
@@ -20,14 +20,12 @@ def test_gpu_options_never_compiles_under_tp():
     assert gpu_options(cuda, ride_tokens=64)["ride_tokens"] == 64 and gpu_options(cpu)["ride_tokens"] is None
 
 
-def test_divisibility_check_is_shared_and_only_the_trainer_refuses_sliding_windows():
-    mistral = make_model("mistral").config  # sliding_window=5
-    check_tp_divides(mistral, 2)  # the generator's check: a window is fine
-    with pytest.raises(ValueError, match="sliding-window"):
-        check_model_supports_tp(mistral, 2)
-    llama = make_model("llama").config
-    check_model_supports_tp(llama, 2)
+def test_divisibility_and_family_checks_are_one_error_for_the_generator_and_the_trainer():
+    llama = make_model("llama")
     for tp, what in ((4, "num_key_value_heads=2"), (3, "num_attention_heads=4")):
-        for check in (check_tp_divides, check_model_supports_tp):
-            with pytest.raises(ValueError, match=f"tp={tp} must divide {what}"):
-                check(llama, tp)
+        with pytest.raises(ModelFamilyError, match=f"tp={tp} must divide {what}"):
+            check_tp_divides(llama.config, tp)
+    llama.config.model_type = "gpt2"
+    for build in (lambda: Generator(llama, max_batch_size=1, max_seq_len=8), lambda: Stage(llama, (0, 1), True, True)):
+        with pytest.raises(ModelFamilyError, match="'gpt2' is not supported .*llama, qwen2, qwen3, mistral"):
+            build()
