@@ -1,6 +1,11 @@
 """Trainer step time per layout against 1 process, on a ~30M-parameter Llama config (CPU, gloo, 1 thread per rank).
 
     .venv/bin/python exp/bench_trainer.py [--layouts 1,1,1 2,1,1 1,2,1 1,1,2 1,1,2:4+4 2,1,1/allreduce] [--steps 3]
+    .venv/bin/python exp/bench_trainer.py --baseline /tmp/old   # another checkout's trainer, side by side
+
+With --baseline DIR (a checkout of another commit, e.g. `git worktree add /tmp/old <commit>`) every layout runs
+with both trees' trainers in turn (each tree's own copy of this file as the worker) and the table gives the ratio
+of this tree's step time to the baseline's.
 
 A PP layout without `:a+b` gets the compute-balanced split (the LM head counts on the last stage). DP shards with
 FSDP2 unless the layout ends in `/allreduce` (train.shard_state=false: replicated state, one bucketed all-reduce).
@@ -149,44 +154,62 @@ def worker(args) -> None:
     os._exit(0)
 
 
-def driver(args) -> None:
+def run_layout(tree: str, layout: str, args) -> dict:
+    """One torchrun of `tree`'s own worker for one layout: its BENCH line."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "WANDB_MODE": "disabled", "OMP_NUM_THREADS": "1"}
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
-    rows: dict[str, dict] = {}
-    # --repeats rounds over all layouts, interleaved, best round per layout: a slow spell of this shared
+    n = 1
+    for x in layout.partition("/")[0].partition(":")[0].split(","):
+        n *= int(x)
+    cmd = [
+        torchrun,
+        "--standalone",
+        f"--nproc_per_node={n}",
+        os.path.join(tree, "exp", "bench_trainer.py"),
+        "--worker",
+        "--layout",
+        layout,
+        "--steps",
+        str(args.steps),
+        "--seqs",
+        str(args.seqs),
+        "--prompt",
+        str(args.prompt),
+        "--response",
+        str(args.response),
+        "--micro-batch-tokens",
+        str(args.micro_batch_tokens),
+    ]
+    out = subprocess.run(cmd, env=env, cwd=tree, capture_output=True, text=True, timeout=1800)
+    line = [l for l in out.stdout.splitlines() if l.startswith("BENCH ")]
+    if not line:
+        raise RuntimeError(f"layout {layout} in {tree} failed:\n{(out.stdout + out.stderr)[-3000:]}")
+    print(f"{tree}: {line[0]}", flush=True)
+    return json.loads(line[0][6:])
+
+
+def driver(args) -> None:
+    trees = [ROOT] + ([os.path.abspath(args.baseline)] if args.baseline else [])
+    best: dict[tuple[str, str], dict] = {}
+    # --repeats rounds over all layouts (and trees), interleaved, best round per layout: a slow spell of this shared
     # machine then hits every layout alike instead of one
     for layout in [lay for _ in range(args.repeats) for lay in args.layouts]:
-        n = 1
-        for x in layout.partition("/")[0].partition(":")[0].split(","):
-            n *= int(x)
-        cmd = [
-            torchrun,
-            "--standalone",
-            f"--nproc_per_node={n}",
-            os.path.abspath(__file__),
-            "--worker",
-            "--layout",
-            layout,
-            "--steps",
-            str(args.steps),
-            "--seqs",
-            str(args.seqs),
-            "--prompt",
-            str(args.prompt),
-            "--response",
-            str(args.response),
-            "--micro-batch-tokens",
-            str(args.micro_batch_tokens),
-        ]
-        out = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=1800)
-        line = [l for l in out.stdout.splitlines() if l.startswith("BENCH ")]
-        if not line:
-            raise RuntimeError(f"layout {layout} failed:\n{(out.stdout + out.stderr)[-3000:]}")
-        row = json.loads(line[0][6:])
-        print(line[0], flush=True)
-        if layout not in rows or row["step_s"] < rows[layout]["step_s"]:
-            rows[layout] = row
-    rows = list(rows.values())
+        for tree in trees:
+            row = run_layout(tree, layout, args)
+            if (tree, layout) not in best or row["step_s"] < best[tree, layout]["step_s"]:
+                best[tree, layout] = row
+    if args.baseline:
+        print(
+            f"\n| layout dp,tp,pp | step s (this tree) | step s ({args.baseline}) | ratio | CPU s ratio |\n|---|---|---|---|---|"
+        )
+        for layout in args.layouts:
+            new, old = best[ROOT, layout], best[trees[1], layout]
+            print(
+                f"| {layout} | {new['step_s']:.2f} | {old['step_s']:.2f} | {new['step_s'] / old['step_s']:.2f} "
+                f"| {new['cpu_s_all_ranks'] / old['cpu_s_all_ranks']:.2f} |"
+            )
+        return
+    rows = [best[ROOT, layout] for layout in args.layouts]
     base = next(r["step_s"] for r in rows if r["ranks"] == 1)
     print(
         f"\nparams {rows[0]['params'] / 1e6:.1f}M, {rows[0]['tokens']:.0f} trained tokens/step\n"
@@ -213,5 +236,6 @@ if __name__ == "__main__":
     ap.add_argument("--prompt", type=int, default=32)
     ap.add_argument("--response", type=int, default=96)
     ap.add_argument("--micro-batch-tokens", type=int, default=128)
+    ap.add_argument("--baseline", help="a checkout of another commit: its trainer runs beside this one")
     a = ap.parse_args()
     worker(a) if a.worker else driver(a)

@@ -1,12 +1,13 @@
 """Control and trajectory messages between the train head and the rollout ranks.
 
-A message is a small JSON document (never pickle: nothing received is ever executed) put in a per-pair
-mailbox on the job's key-value store (the TCPStore torchrun already runs for rendezvous). Sending never
+A message is a small JSON document (never pickle: nothing received is ever executed) pushed on a per-pair
+queue of the job's key-value store (the TCPStore torchrun already runs for rendezvous: `Store.queue_push` /
+`queue_pop`, first in first out, so per-pair order needs no sequence numbers). Sending never
 blocks on the receiver, so a rollout rank never waits for a busy trainer, and receiving is a cheap
 non-blocking check, so every wait has a deadline of our choosing and a silent peer is *named* instead
 of hanging the run. (Point-to-point gloo receives cannot be polled: their `is_completed()` stays False
 until `wait()`, and `wait(timeout)` is not honoured for receives — measured here.)
-Keys: hexrl/<run>/mb/<dst>/<src>/<seq>, one per message, deleted once read; per-pair order is kept by seq.
+Queues: <namespace>/q/<dst>/<src>; a popped message is gone from the store.
 Large tensors (weights) travel over the process group instead, see parallel/weight_sync.py.
 """
 
@@ -43,18 +44,14 @@ class Channel:
         self.peers = list(peers)
         self.store = store or default_store()
         self.ns = namespace
-        self.next_in = {p: 0 for p in self.peers}  # next sequence number expected from each peer
-        self.next_out: dict[int, int] = {}
         self.last_heard = {p: time.monotonic() for p in self.peers}
         self.closed: set[int] = set()
 
-    def _key(self, dst: int, src: int, seq: int) -> str:
-        return f"{self.ns}/mb/{dst}/{src}/{seq}"
+    def _queue(self, dst: int, src: int) -> str:
+        return f"{self.ns}/q/{dst}/{src}"
 
     def send(self, dst: int, kind: str, **payload) -> None:
-        seq = self.next_out.get(dst, 0)
-        self.next_out[dst] = seq + 1
-        self.store.set(self._key(dst, self.rank, seq), json.dumps({"kind": kind, **payload}, separators=(",", ":")))
+        self.store.queue_push(self._queue(dst, self.rank), json.dumps({"kind": kind, **payload}, separators=(",", ":")))
 
     def poll(self, timeout_s: float = 0.0, peers: list[int] | None = None) -> list[tuple[int, dict]]:
         """Messages that have arrived, as (source rank, message), in order per source. With timeout_s > 0,
@@ -65,12 +62,10 @@ class Channel:
             out = []
             for p in peers or self.peers:
                 while p not in self.closed:
-                    key = self._key(self.rank, p, self.next_in[p])
-                    if not self.store.check([key]):
+                    try:
+                        msg = json.loads(self.store.queue_pop(self._queue(self.rank, p), block=False))
+                    except dist.QueueEmptyError:
                         break
-                    msg = json.loads(self.store.get(key))
-                    self.store.delete_key(key)
-                    self.next_in[p] += 1
                     self.last_heard[p] = time.monotonic()
                     if msg["kind"] == "bye":
                         self.closed.add(p)

@@ -164,7 +164,8 @@ class Trainer:
         if g.tp == 1:
             return DeviceMesh.from_group(g.dp_group, device_type=device), None
         first = g.pp_rank * g.dp * g.tp  # the plan's train ranks run pp-major, then dp, then tp
-        grid = torch.tensor(g.train_ranks[first : first + g.dp * g.tp]).view(g.dp, g.tp)
+        ranks = g.train_ranks[first : first + g.dp * g.tp]
+        grid = [ranks[d * g.tp : (d + 1) * g.tp] for d in range(g.dp)]  # a list: no tensor outlives the call
         mesh = DeviceMesh.from_group([g.dp_group, g.tp_group], device, mesh=grid, mesh_dim_names=("dp", "tp"))
         return mesh["dp"], mesh["tp"]
 
