@@ -17,7 +17,12 @@ import copy
 import torch
 import torch.nn as nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+from torch.distributed.tensor.parallel import (
+    ColwiseParallel,
+    PrepareModuleInput,
+    RowwiseParallel,
+    parallelize_module,
+)
 from torch.utils.checkpoint import checkpoint
 
 from model_family import ModelFamilyError, check_tp_divides, model_family, shard_dim
@@ -27,6 +32,14 @@ from parallel.packed_attention import ATTENTION, PackedSeqs
 END_PLAN = {
     "model.embed_tokens": RowwiseParallel(input_layouts=Replicate()),
     "lm_head": ColwiseParallel(output_layouts=Shard(-1), use_local_output=True),
+}
+# the input of each attention and MLP block made one Replicate DTensor: the column-parallel projections reading it
+# (q, k, v; gate, up) then sum their input gradients as one Partial, all-reduced once per block, as Megatron's f
+INPUT_PLAN = {
+    "model.layers.*.self_attn": PrepareModuleInput(
+        input_kwarg_layouts={"hidden_states": Replicate()}, desired_input_kwarg_layouts={"hidden_states": Replicate()}
+    ),
+    "model.layers.*.mlp": PrepareModuleInput(input_layouts=(Replicate(),), desired_input_layouts=(Replicate(),)),
 }
 STYLES = {"colwise": ColwiseParallel, "rowwise": RowwiseParallel}  # HF plan strings -> torch styles
 GRAD_ALLREDUCE = "replicated_with_grad_allreduce"
@@ -107,7 +120,7 @@ class Stage(nn.Module):
                 raise ModelFamilyError(f"{cfg.model_type}'s TP plan uses style {style!r}, which hexrl does not run")
         self.tp_partial_grads = {f"model.{n}" for n in self.tp_partial_grads}
         ends = {k: v for k, v in END_PLAN.items() if _has(self, k)}
-        parallelize_module(self, tp_mesh, {**layer_plan, **ends})
+        parallelize_module(self, tp_mesh, {**INPUT_PLAN, **layer_plan, **ends})
         if self.tied and self.first and self.last:  # distributing each module gave each its own parameter: re-tie
             self.lm_head.weight = self.model.embed_tokens.weight
 

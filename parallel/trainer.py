@@ -408,7 +408,9 @@ class Trainer:
             self._allreduce_buckets([local(p.grad) for p in self.params.values()], g.dp_group)
 
     def _allreduce_buckets(self, grads: list[torch.Tensor], group) -> None:
-        """SUM all-reduce in flat buckets of about grad_bucket_mb (last layers first, like DDP)"""
+        """SUM all-reduce in flat buckets of about grad_bucket_mb (last layers first, like DDP). Ours because torch's
+        `replicate` is private in this torch (torch.distributed._composable) and would reduce after every
+        micro-batch's backward under 1F1B, where one reduction per minibatch is all the replicated mode needs."""
         limit = int(self.cfg.grad_bucket_mb * 2**20)
         buckets: list[list[torch.Tensor]] = [[]]
         size = 0
