@@ -70,13 +70,13 @@ def gpu_options(
 ) -> dict:
     """Generator keyword arguments from "auto" | "always" | "never" (not on/off: YAML reads those as booleans).
     auto compiles the decode step into CUDA graphs on a GPU (launch-bound eager) but not on CPU (the static step
-    is slower there) nor under tensor parallelism (tp > 1: the step's collectives are not captured), and uses
-    flash-attn on a GPU when installed and the KV blocks are a multiple of 256 tokens, which its paged kernel needs
-    (opt-in: untested). A compiled step carries up to ride_tokens packed prefill rows; an eager one the chunk as it
+    is slower there), whatever the replica's TP degree (`tp` changes nothing: the collectives are in the compiled
+    step as the rest is), and uses flash-attn on a GPU when installed and the KV blocks are a multiple of 256
+    tokens, which its paged kernel needs (opt-in: untested). A compiled step carries up to ride_tokens packed prefill rows; an eager one the chunk as it
     is. Numbers: docs/generator.md."""
     on_gpu = device.type == "cuda"
     flash_ok = on_gpu and flash_attn_with_kvcache is not None and kv_block_size % 256 == 0
-    compiled = compile_decode == "always" or compile_decode == "auto" and on_gpu and tp == 1
+    compiled = compile_decode == "always" or compile_decode == "auto" and on_gpu
     return dict(
         compile_decode=compiled,
         use_flash_attn=flash_attn == "always" or flash_attn == "auto" and flash_ok,
@@ -279,11 +279,6 @@ class Generator:
             raise ValueError("tp_group: this process is not a member of the group")
         if self.tp > 1:
             check_tp_divides(config, self.tp)
-            if compile_decode:
-                raise ValueError(
-                    f"compile_decode=True is not supported with tensor parallelism (tp={self.tp}): the decode step's "
-                    "collectives are not captured by torch.compile / CUDA graphs; use compile_decode=False"
-                )
             if getattr(model.lm_head, "bias", None) is not None:
                 raise ValueError("tensor parallelism: an LM head with a bias is not supported")
         shard = getattr(model, "_generator_tp_shard", None)  # (tp_rank, tp, shards) left by a Generator before
@@ -418,14 +413,12 @@ class Generator:
         ConfigError naming the key). With `kv_pool` (the eval generator's: the rollout generator's pool) only the
         expected K/V per sequence is taken from the config; the pool's own size and blocks stay."""
         device = next(model.parameters()).device
-        tp = 1 if tp_group is None else dist.get_world_size(tp_group)
         r = rollout
         kv = kv_options(r) if kv_pool is None else {"kv_seq_tokens": r.kv_seq_tokens}
         options = gpu_options(
             device,
             r.compile_decode,
             r.flash_attn,
-            tp=tp,
             kv_block_size=r.kv_block_size,
             ride_tokens=r.prefill_ride_tokens,
         )

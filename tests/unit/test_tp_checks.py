@@ -1,4 +1,4 @@
-"""Tensor parallelism's checks in process: gpu_options never compiles under TP, and the divisibility check is shared
+"""Tensor parallelism's checks in process: gpu_options compiles under TP as without it, and the divisibility check is shared
 by the generator and the trainer, only the trainer refusing sliding windows (real TP-2 ranks:
 tests/dist/test_generator_tp.py)."""
 
@@ -11,11 +11,16 @@ from model_family import check_tp_divides
 from parallel.tensor_parallel import check_model_supports_tp
 
 
-def test_gpu_options_never_compiles_under_tp():
+def test_gpu_options_compiles_under_tp_as_without_it():
+    """A TP replica's step holds its collectives (functional collectives: tests/dist/test_generator_tp.py runs a
+    compiled TP-2 step), so the TP degree changes none of the options."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert gpu_options(cuda)["compile_decode"] and not gpu_options(cuda, tp=2)["compile_decode"]
-    assert not gpu_options(cpu, tp=2)["compile_decode"]
-    assert gpu_options(cuda, compile_decode="always", tp=2)["compile_decode"]  # asked for: the Generator refuses
+    for device in (cuda, cpu):
+        for mode in ("auto", "always", "never"):
+            assert gpu_options(device, mode, tp=2) == gpu_options(device, mode, tp=1)
+    assert gpu_options(cuda, tp=2)["compile_decode"] and not gpu_options(cpu, tp=2)["compile_decode"]
+    assert gpu_options(cpu, compile_decode="always", tp=2)["compile_decode"]
+    assert not gpu_options(cuda, compile_decode="never", tp=2)["compile_decode"]
     # a compiled step carries packed prefill rows (ride_tokens); an eager one leaves the Generator's default
     assert gpu_options(cuda, ride_tokens=64)["ride_tokens"] == 64 and gpu_options(cpu)["ride_tokens"] is None
 
