@@ -669,7 +669,7 @@ class Generator:
             no_rows = torch.zeros(0, dtype=torch.long, device=self.device)
             for chunk in chunks:
                 self.stats.prefill_forwards += 1
-                self.forward.forward(no_rows, no_rows, no_rows, 0, chunk)
+                self.forward(no_rows, no_rows, no_rows, 0, chunk)
         self.stats.prefill_seconds += time.perf_counter() - t0
 
         t0 = time.perf_counter()
@@ -973,7 +973,7 @@ class Generator:
         included). The counter-based uniforms come from the rows' hashed seeds and token counters on the device, the
         same values as the host's `uniform_from_hash` (tested); eager on CPU `seeds` holds the uniforms themselves,
         hashed in Python (counters None). Returns (tokens, logprobs) [width]."""
-        logits = self.forward.forward(tokens, positions, rows, span, chunk)
+        logits = self.forward(tokens, positions, rows, span, chunk)
         u = seeds if counters is None else uniform_from_hash(seeds, counters)
         return sample_tokens(logits, temperature, top_p, top_k, u, truncate, (all_greedy, any_greedy))
 

@@ -209,7 +209,7 @@ class PagedForward:
         gate, up = F.linear(rms_norm(layer.post_attention_layernorm, x), *self.gate_up[i]).chunk(2, dim=-1)
         return x + self._row_parallel(layer.mlp.act_fn(gate).mul_(up), self.down_proj[i])
 
-    def forward(
+    def __call__(
         self,
         tokens: torch.Tensor,
         positions: torch.Tensor,
