@@ -448,7 +448,7 @@ def run_rollout_rank(cfg, groups, hf_cfg, *, tracker=None, sync: bool = True):
     link = ReplicaLink(replica.group, replica.ranks, torch.device("cpu")) if replica.tp > 1 else None
     # what gpu_options gives on a GPU, less what cannot run here: CUDA graphs and flash-attn; "row" is what the
     # weight layout "auto" means off the CPU
-    options = gpu_options(torch.device("cpu"), "never", "never", tp=replica.tp)
+    options = gpu_options(torch.device("cpu"), "never", "never")
     options.update(compile_decode=False, use_flash_attn=False, weight_layout="row")
     if link is not None:
         options["tp_group"] = link.group

@@ -3,7 +3,9 @@
 One spawn of 2 ranks (module fixture) runs every TP case and saves each rank's outputs; the tests compare them:
 greedy == HF generate with log-probs within 1e-4 of HF's full forward (Llama GQA, Llama with attention/MLP biases,
 Qwen2 tied + q/k/v bias, Mistral with a window shorter than the sequences, Qwen3 q/k norms), a weight swap mid-generation == the
-single-process Generator doing the same swap, both ranks bit-identical, and the clear errors for bad input.
+single-process Generator doing the same swap, both ranks bit-identical, and the clear errors for bad input. The compiled
+decode step of a TP-2 replica (inductor on CPU, its collectives inside the graph) through a weight swap and preemptions
+== the eager single-process Generator and HF generate under each version.
 """
 
 import dataclasses
@@ -31,6 +33,8 @@ from test_generator import (  # noqa: E402
     make_model,
     perturbed_state_dict,
 )
+from torch._dynamo.utils import counters  # noqa: E402
+from torch._inductor.utils import run_and_get_code  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM  # noqa: E402
 
 import generator  # noqa: E402
@@ -41,7 +45,12 @@ TP = 2
 KINDS = ["llama", "llama_bias", "qwen2", "mistral", "qwen3"]
 GREEDY = SamplingParams(temperature=0, max_new_tokens=10)
 SWAP_SAMPLING = SamplingParams(temperature=1.0, top_p=0.9, max_new_tokens=10)
-TIMEOUT_S = 240
+TIMEOUT_S = 480  # the compiled case compiles two graphs per rank (~90 s on 2 shared cores)
+# the compiled case: Llama with o_proj / down_proj biases (added once, after the step's all-reduces), 3 slots in a pool
+# of 10 blocks of 4 tokens (sequences reach 17: requests wait and are preempted), one decode width (two graphs: with
+# and without packed prefill rows), greedy, the weights swapped after 4 steps (recompute)
+COMPILED_KIND = "llama_bias"
+COMPILED_POOL = dict(max_batch_size=3, max_seq_len=40, kv_block_size=4, kv_cache_tokens=40, kv_seq_tokens=8)
 
 
 def build(kind: str, seed: int):
@@ -61,10 +70,10 @@ def as_lists(outs) -> list[tuple]:
     return [(o.token_ids, o.logprobs, o.versions, o.finish_reason) for o in outs]
 
 
-def weight_swap(gen: Generator, new_weights: dict) -> list[tuple]:
+def weight_swap(gen: Generator, new_weights: dict, params: SamplingParams = SWAP_SAMPLING) -> list[tuple]:
     """5 requests on 3 slots, 4 steps under version 0, update_weights (recompute), the rest under version 1."""
     for i, prompt in enumerate(PROMPTS[:5]):
-        gen.add_request(i, prompt, dataclasses.replace(SWAP_SAMPLING, seed=100 + i))
+        gen.add_request(i, prompt, dataclasses.replace(params, seed=100 + i))
     done = {}
     for _ in range(4):
         done.update((o.request_id, o) for o in gen.step())
@@ -143,9 +152,6 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
         # bad input: each refused before any collective, on every rank alike
         one_kv = LlamaForCausalLM(LlamaConfig(**{**COMMON, "num_key_value_heads": 1})).eval()
         res["error_kv_heads"] = error_of(lambda: Generator(one_kv, max_seq_len=16, tp_group=group))
-        res["error_compile"] = error_of(
-            lambda: Generator(make_model("llama"), max_seq_len=16, compile_decode=True, tp_group=group)
-        )
         sharded = make_model("llama")
         gen = Generator(sharded, max_batch_size=1, max_seq_len=16, tp_group=group)
         local_q = sharded.model.layers[0].self_attn.q_proj.weight
@@ -153,6 +159,18 @@ def _rank_main(rank: int, init_file: str, out_dir: str) -> None:
             lambda: gen.update_weights({"model.layers.0.self_attn.q_proj.weight": local_q.clone()}, version=1)
         )
         res["error_untp_on_sharded"] = error_of(lambda: Generator(sharded, max_seq_len=16))
+
+        # the compiled decode step under TP (inductor on CPU): the code inductor generates, the graph breaks
+        model = build(COMPILED_KIND, seed=1)
+        new_weights = perturbed_state_dict(model, seed=2)
+        compiled = Generator(model, compile_decode=True, decode_buckets=[3], tp_group=group, **COMPILED_POOL)
+        breaks = sum(counters["graph_break"].values())
+        res["compiled_swap"], codes = run_and_get_code(lambda: weight_swap(compiled, new_weights, GREEDY))
+        res["compiled_graph_breaks"] = sum(counters["graph_break"].values()) - breaks
+        res["compiled_stats"] = dataclasses.asdict(compiled.stats)
+        res["compiled_codes"] = [
+            ("all_reduce" in code, "all_gather_into_tensor" in code, "wait_tensor" in code) for code in codes
+        ]
     finally:
         dist.destroy_process_group()
     torch.save(res, os.path.join(out_dir, f"rank{rank}.pt"))
@@ -241,7 +259,47 @@ def test_tp2_paged_kv_cache_keeps_the_ranks_in_lockstep(ranks):
 def test_tp2_bad_input_raises_clear_errors(ranks):
     for res in ranks:
         assert res["error_kv_heads"].startswith("ValueError: tp=2 must divide num_key_value_heads=1")
-        assert "compile_decode=True is not supported with tensor parallelism (tp=2)" in res["error_compile"]
         err = res["error_shape"]
         assert "model.layers.0.self_attn.q_proj.weight" in err and "(32, 64)" in err and "(64, 64)" in err
         assert "holds TP shard" in res["error_untp_on_sharded"]
+
+
+# ----------------------------------------------------------------------------- the compiled step
+
+
+def test_tp2_compiled_step_matches_eager_single_process_and_hf_through_a_swap_and_preemptions(ranks):
+    """compile_decode=True on a TP-2 replica: inductor compiled the decode step with the all-reduces and the logits'
+    all-gather inside each graph (functional collectives, no graph break), and it ran the whole generation: greedy
+    tokens and versions equal the eager single-process Generator's doing the same swap, log-probs within 1e-5 of
+    them; before the swap the tokens are HF generate's under the old weights, after it HF generate's under the new
+    ones continuing the sequence, log-probs within 1e-4 of the matching full forward; the tiny pool preempted."""
+    res = ranks[0]
+    assert ranks[1]["compiled_swap"] == res["compiled_swap"]
+    assert len(res["compiled_codes"]) >= 2 and all(all(has) for has in res["compiled_codes"])
+    assert res["compiled_graph_breaks"] == 0
+    stats = res["compiled_stats"]
+    assert stats["preemptions"] > 0 and stats["prefill_rides"] > 0
+    assert stats["weight_updates"] == 1 and stats["recompute_tokens"] > 0
+    old, model = build(COMPILED_KIND, seed=1), build(COMPILED_KIND, seed=1)
+    new_weights = perturbed_state_dict(model, seed=2)  # before a Generator fuses (and may transpose) the weights
+    ref = weight_swap(Generator(model, **COMPILED_POOL), new_weights, GREEDY)  # the eager single-process Generator
+    swapped = 0
+    for prompt, got, want in zip(PROMPTS, res["compiled_swap"], ref):
+        tokens, logprobs, versions, reason = got
+        assert tokens == want[0] and versions == want[2] and reason == want[3] == "length"
+        assert max(abs(a - b) for a, b in zip(logprobs, want[1])) < 1e-5
+        hf, full = _greedy_under_versions(old, model, prompt, tokens, versions)  # model: the new weights
+        assert tokens == hf
+        assert max(abs(a - b) for a, b in zip(logprobs, full)) < 1e-4
+        swapped += versions.count(1)
+    assert len(ref) == 5 and 0 < swapped < sum(len(t[0]) for t in ref)  # both versions sampled tokens
+
+
+def _greedy_under_versions(old, new, prompt, tokens, versions):
+    """HF's greedy tokens and full-forward log-probs for a sequence sampled greedily under version 0 and then,
+    after a recompute swap, version 1."""
+    cut = versions.index(1) if 1 in versions else len(tokens)
+    hf = hf_greedy(old, prompt, cut) if cut else []
+    hf += hf_greedy(new, prompt + tokens[:cut], len(tokens) - cut) if cut < len(tokens) else []
+    ref = full_forward_logprobs(old, prompt, tokens)[:cut] + full_forward_logprobs(new, prompt, tokens)[cut:]
+    return hf, ref

@@ -169,7 +169,7 @@ def test_rope_table_and_per_step_rotary_match_hf(rope_type):
     every step (its frequencies may depend on the length); both must equal HF."""
     model = make_model("llama", seed=5, rope_parameters={"rope_type": rope_type, "factor": 2.0, "rope_theta": 10000.0})
     gen = Generator(model, max_batch_size=3, max_seq_len=40)
-    assert (gen.rope_table is not None) == (rope_type == "linear")
+    assert (gen.forward.rope_table is not None) == (rope_type == "linear")
     for prompt, out in zip(PROMPTS, gen.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=10))):
         assert out.token_ids == hf_greedy(model, prompt, 10)
         ref = full_forward_logprobs(model, prompt, out.token_ids)
@@ -501,14 +501,14 @@ def test_fused_projections_follow_every_write_to_the_model(kind, layout):
 
 def test_blocked_lm_head_equals_one_gemm():
     """On CPU a vocabulary above 4 blocks goes through the LM head block by block: same logits."""
-    from generator import LM_HEAD_BLOCK
+    from paged_forward import LM_HEAD_BLOCK
 
     torch.manual_seed(16)
     config = LlamaConfig(**{**COMMON, "vocab_size": 4 * LM_HEAD_BLOCK + 333})
     model = LlamaForCausalLM(config).eval()
     gen = Generator(model, max_batch_size=2, max_seq_len=16)
     h = torch.randn(5, COMMON["hidden_size"])
-    assert torch.allclose(gen._logits(h), model.lm_head(h).float(), atol=1e-5, rtol=0)
+    assert torch.allclose(gen.forward.logits(h), model.lm_head(h).float(), atol=1e-5, rtol=0)
     out = gen.generate([PROMPTS[0]], SamplingParams(temperature=0, max_new_tokens=4))[0]
     assert out.token_ids == hf_greedy(model, PROMPTS[0], 4)
 

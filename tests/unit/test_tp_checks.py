@@ -1,5 +1,5 @@
-"""Tensor parallelism's checks in process: gpu_options never compiles under TP, and the divisibility check is shared
-by the generator and the trainer, as is the family check (real TP-2 ranks: tests/dist/test_generator_tp.py,
+"""Tensor parallelism's checks in process: gpu_options compiles under TP as without it, and the divisibility and
+family checks are one error for the generator and the trainer (real TP-2 ranks: tests/dist/test_generator_tp.py,
 tests/dist/test_parallel_ranks.py)."""
 
 import pytest
@@ -11,11 +11,13 @@ from model_family import ModelFamilyError, check_tp_divides
 from parallel.stage import Stage
 
 
-def test_gpu_options_never_compiles_under_tp():
+def test_gpu_options_compile_a_tp_replica_as_any_other():
+    """A TP replica's step holds its collectives (functional collectives: tests/dist/test_generator_tp.py runs a
+    compiled TP-2 step), so the options take no TP degree: compiled on a GPU unless asked not to, on CPU if asked."""
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    assert gpu_options(cuda)["compile_decode"] and not gpu_options(cuda, tp=2)["compile_decode"]
-    assert not gpu_options(cpu, tp=2)["compile_decode"]
-    assert gpu_options(cuda, compile_decode="always", tp=2)["compile_decode"]  # asked for: the Generator refuses
+    assert gpu_options(cuda)["compile_decode"] and not gpu_options(cpu)["compile_decode"]
+    assert gpu_options(cpu, compile_decode="always")["compile_decode"]
+    assert not gpu_options(cuda, compile_decode="never")["compile_decode"]
     # a compiled step carries packed prefill rows (ride_tokens); an eager one leaves the Generator's default
     assert gpu_options(cuda, ride_tokens=64)["ride_tokens"] == 64 and gpu_options(cpu)["ride_tokens"] is None
 
