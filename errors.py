@@ -1,8 +1,8 @@
 """What a clear error is: the base of every concept's own error type.
 
-Each concept raises one type of its own (ConfigError, PlanError, SpecError, DataError, StalenessError,
-CheckpointError, WeightSyncError, PeerTimeout, RewardError, NonFiniteError, RolloutRanksLost, and SetupError below:
-a launch that cannot work). The train script ends a run on any of them with one line `[rank R] error: ...` instead
+Each concept raises one type of its own (ConfigError, PlanError, SpecError, ModelFamilyError, DataError,
+StalenessError, CheckpointError, WeightSyncError, PeerTimeout, RewardError, NonFiniteError, RolloutRanksLost, and
+SetupError below: a launch that cannot work). The train script ends a run on any of them with one line `[rank R] error: ...` instead
 of a traceback, so a new concept's error is handled by deriving from HexrlError, not by editing a list there.
 """
 
