@@ -41,8 +41,8 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    task: str = "arith"  # arith (synthetic, built in) | gsm8k | math | deepscaler | path to jsonl/parquet
-    num_train: int = 20000  # arith only
+    task: str = "arith"  # arith | arith_tail (synthetic, built in: tasks.py) | gsm8k | math | deepscaler | path to jsonl/parquet
+    num_train: int = 20000  # arith and arith_tail only
     num_test: int = 500  # held-out problems used for greedy evaluation
     seed: int = 0
     question_field: str = "question"  # field mapping for local jsonl/parquet

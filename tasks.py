@@ -1,8 +1,11 @@
 """The tasks the policy learns: the CPU demo's synthetic arithmetic, and real math datasets.
 
-The synthetic task: seeded multi-step arithmetic word problems.
-Each problem chains three numbers (1-30) with + and -, phrased as a short story; the gold answer
-is an integer and the model must end with `\boxed{N}`. Worked solutions come in two flavours:
+The synthetic tasks: seeded multi-step arithmetic word problems.
+Each problem chains numbers (1-30) with + and -, phrased as a short story; the gold answer is an
+integer and the model must end with `\boxed{N}`. `arith` (the CPU demo) chains three numbers, so every
+response is ~26 tokens; `arith_tail` draws the number of operations from a lognormal (2 to 40, median 3),
+so response lengths are long-tailed (median ~30 tokens, p99 over 300) as in reasoning RL, where a
+synchronous step waits for its longest sample. Worked solutions come in two flavours:
 correct ones, and ones carrying a typical mistake (a flipped operation in the first step, or an
 off-by-one last step). The warm start is trained on a mix of both, so the model is *capable but
 unsharp*: its samples are often right (high pass@k) but its greedy answer often is not — exactly
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 from dataclasses import dataclass
@@ -49,27 +53,41 @@ PROMPT_SUFFIX = "\nA:"
 class Problem:
     question: str
     answer: int
-    terms: tuple[int, int, int]
-    ops: tuple[str, str]  # each '+' or '-'
+    terms: tuple[int, ...]  # one more than ops
+    ops: tuple[str, ...]  # each '+' or '-'
+
+
+# arith_tail: operations per problem ~ lognormal(median TAIL_MEDIAN_OPS, sigma TAIL_SIGMA) clipped to [2, TAIL_MAX_OPS];
+# a step of the worked solution is ~9 tokens, so responses have a median of ~30 tokens and a p99 over 300
+TAIL_MEDIAN_OPS, TAIL_SIGMA, TAIL_MAX_OPS = 2.5, 1.1, 40
+TASKS = ("arith", "arith_tail")
 
 
 def _apply(a: int, op: str, b: int) -> int:
     return a + b if op == "+" else a - b
 
 
-def sample_problem(rng: random.Random) -> Problem:
-    """Three terms, two operations, every intermediate result non-negative (it is a story)."""
+def num_ops(task: str, rng: random.Random) -> int:
+    if task == "arith":
+        return 2
+    return min(TAIL_MAX_OPS, max(2, round(rng.lognormvariate(math.log(TAIL_MEDIAN_OPS), TAIL_SIGMA))))
+
+
+def sample_problem(rng: random.Random, n_ops: int = 2) -> Problem:
+    """n_ops + 1 terms, n_ops operations, every intermediate result non-negative (it is a story)."""
     while True:
-        a, b, c = (rng.randint(1, 30) for _ in range(3))
-        ops = (rng.choice("+-"), rng.choice("+-"))
-        mid = _apply(a, ops[0], b)
-        end = _apply(mid, ops[1], c)
-        if mid >= 0 and end >= 0:
+        terms = [rng.randint(1, 30) for _ in range(n_ops + 1)]
+        ops = [rng.choice("+-") for _ in range(n_ops)]
+        value, ok = terms[0], True
+        for op, t in zip(ops, terms[1:]):
+            value = _apply(value, op, t)
+            ok = ok and value >= 0
+        if ok:
             break
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
-    verbs = [rng.choice(GAIN if op == "+" else LOSS).format(n=n) for op, n in zip(ops, (b, c))]
-    question = f"{name} has {a} {item}, {verbs[0]}, then {verbs[1]}. How many {item} now?"
-    return Problem(question, end, (a, b, c), ops)
+    verbs = [rng.choice(GAIN if op == "+" else LOSS).format(n=n) for op, n in zip(ops, terms[1:])]
+    question = f"{name} has {terms[0]} {item}, {', '.join(verbs[:-1])}, then {verbs[-1]}. How many {item} now?"
+    return Problem(question, value, tuple(terms), tuple(ops))
 
 
 def _needs_carry(a: int, op: str, b: int) -> bool:
@@ -80,39 +98,40 @@ def _needs_carry(a: int, op: str, b: int) -> bool:
 def worked_solution(
     p: Problem, rng: random.Random | None = None, mistake_rate: float = 0.0, mistakes: str = "systematic"
 ) -> str:
-    """` a+b=m. m-c=r. \\boxed{r}`, possibly with a typical mistake.
+    """` a+b=m. m-c=r. \\boxed{r}` (one step per operation), possibly with a typical mistake.
 
     mistakes="systematic" (the warm start's): with probability `mistake_rate`, a subtraction in the first
-    step is done as an addition, and, independently, a carry/borrow in either step is forgotten (±10).
+    step is done as an addition, and, independently, a carry/borrow in any step is forgotten (±10).
     Such slips are tied to features of the problem, so for those problems the *most likely* answer is
     wrong (greedy fails) while correct answers keep a large share (sampling succeeds) — capable but
     unsharp. mistakes="random": one slip (flipped first operation or an off-by-one last step) with
     probability `mistake_rate`, anywhere."""
-    (a, b, c), (op1, op2) = p.terms, p.ops
+    ops = list(p.ops)
     slip = rng is not None and rng.random() < mistake_rate
     if mistakes == "random":
         kind = rng.choice(["flip", "off_by_one"]) if slip else None
         if kind == "flip":
-            op1 = "-" if op1 == "+" else "+"
-        mid = _apply(a, op1, b)
-        end = _apply(mid, op2, c) + (rng.choice([-1, 1]) if kind == "off_by_one" else 0)
-        return f" {a}{op1}{b}={mid}. {mid}{op2}{c}={end}. \\boxed{{{end}}}"
-    if slip and op1 == "-":
-        op1 = "+"
-    mid = _apply(a, op1, b)
-    if rng is not None and _needs_carry(a, op1, b) and rng.random() < mistake_rate:
-        mid += -10 if op1 == "+" else 10
-    end = _apply(mid, op2, c)
-    if rng is not None and _needs_carry(mid, op2, c) and rng.random() < mistake_rate:
-        end += -10 if op2 == "+" else 10
-    return f" {a}{op1}{b}={mid}. {mid}{op2}{c}={end}. \\boxed{{{end}}}"
+            ops[0] = "-" if ops[0] == "+" else "+"
+    elif slip and ops[0] == "-":
+        ops[0] = "+"
+    steps, value = [], p.terms[0]
+    for i, (op, t) in enumerate(zip(ops, p.terms[1:])):
+        result = _apply(value, op, t)
+        if mistakes == "random":
+            last = i == len(ops) - 1
+            result += rng.choice([-1, 1]) if last and kind == "off_by_one" else 0
+        elif rng is not None and _needs_carry(value, op, t) and rng.random() < mistake_rate:
+            result += -10 if op == "+" else 10
+        steps.append(f"{value}{op}{t}={result}.")
+        value = result
+    return f" {' '.join(steps)} \\boxed{{{value}}}"
 
 
 def format_prompt(question: str) -> str:
     return f"{PROMPT_PREFIX}{question}{PROMPT_SUFFIX}"
 
 
-def arith_splits(num_train: int, num_test: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+def arith_splits(num_train: int, num_test: int, seed: int = 0, task: str = "arith") -> tuple[list[dict], list[dict]]:
     """Disjoint train/test rows (no question text appears in both) with fields prompt_id, question, answer (gold
     as a string), solution (a correct worked solution), terms, ops. Plain dicts: every rank builds them at start-up,
     and a `datasets.Dataset` round trip would cost it the import of datasets."""
@@ -120,7 +139,7 @@ def arith_splits(num_train: int, num_test: int, seed: int = 0) -> tuple[list[dic
     seen: set[str] = set()
     rows: list[dict] = []
     while len(rows) < num_train + num_test:
-        p = sample_problem(rng)
+        p = sample_problem(rng, num_ops(task, rng))
         if p.question in seen:
             continue
         seen.add(p.question)
@@ -147,8 +166,8 @@ def load_task(data_cfg, tokenizer, max_prompt_tokens: int | None = None) -> tupl
     sees). `arith` is built here; GSM8K / MATH / DeepScaleR / local files go through load_task_splits below.
     A prompt longer than `max_prompt_tokens` tokens is a bad row (data.on_bad_row: skipped and counted, or an
     error naming it): the rollout could not generate for it."""
-    if data_cfg.task == "arith":
-        train, test = arith_splits(data_cfg.num_train, data_cfg.num_test, data_cfg.seed)
+    if data_cfg.task in TASKS:
+        train, test = arith_splits(data_cfg.num_train, data_cfg.num_test, data_cfg.seed, data_cfg.task)
         for row in train + test:
             row["prompt"] = format_prompt(row["question"])
     else:

@@ -2,6 +2,10 @@
 
     python exp/make_tiny_model.py --out exp/tiny-model                         # from scratch
     python exp/make_tiny_model.py --from-stage1 <dir> --out exp/tiny-model     # redo stages 1b and 2 only
+    python exp/make_tiny_model.py --task arith_tail --from-stage1 exp/tiny-model --out exp/tiny-model-tail
+
+The last builds the long-tailed workload's warm start (tasks.py `arith_tail`: chains of 2 to 40 operations) from
+the demo's model: stages 1b and 2 on chains, with positions up to 1024.
 
 Reproducible (fixed seeds and step counts). Steps:
 1. train a byte-level BPE tokenizer with `tokenizers` on the task's text (digits split into single tokens);
@@ -35,7 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tasks import arith_splits, format_prompt, problem_from_row, worked_solution  # noqa: E402
+from tasks import TASKS, arith_splits, format_prompt, problem_from_row, worked_solution  # noqa: E402
 
 EOS = "<|endoftext|>"
 
@@ -175,6 +179,7 @@ def pass_at_k(model, tok, rows: list[dict], k: int = 8, max_new_tokens: int = 40
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="exp/tiny-model")
+    ap.add_argument("--task", default="arith", choices=TASKS, help="arith (the demo) | arith_tail (long chains)")
     ap.add_argument("--basic-steps", type=int, default=500, help="stage 1: arithmetic with random slips")
     ap.add_argument("--capable-steps", type=int, default=800, help="stage 1b: correct solutions only")
     ap.add_argument("--habit-steps", type=int, default=70, help="stage 2: systematic slips (capable, unsharp)")
@@ -189,17 +194,22 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
-    train_rows, test_rows = arith_splits(num_train=20000, num_test=1000, seed=args.seed)
+    train_rows, test_rows = arith_splits(num_train=20000, num_test=1000, seed=args.seed, task=args.task)
+    # positions: the demo's prompt + response fit in 256 tokens; a 40-operation chain needs ~730
+    positions, new_tokens = (256, 40) if args.task == "arith" else (1024, 512)
     t0 = time.time()
     if args.from_stage1:
         tok = AutoTokenizer.from_pretrained(args.from_stage1)
         model = AutoModelForCausalLM.from_pretrained(args.from_stage1, dtype=torch.float32)
+        model.config.max_position_embeddings = max(model.config.max_position_embeddings, positions)  # RoPE: no table
+        tok.model_max_length = max(tok.model_max_length, positions)
     else:
         rng = random.Random(args.seed)
         corpus = [
             format_prompt(r["question"]) + worked_solution(problem_from_row(r), rng, 0.5, "random") for r in train_rows
         ]
         tok = train_tokenizer(corpus, args.vocab_size)
+        tok.model_max_length = positions
         config = LlamaConfig(
             vocab_size=len(tok),
             hidden_size=args.hidden,
@@ -207,7 +217,7 @@ def main() -> None:
             num_hidden_layers=args.layers,
             num_attention_heads=8,
             num_key_value_heads=4,
-            max_position_embeddings=256,
+            max_position_embeddings=positions,
             rope_theta=10000.0,
             tie_word_embeddings=False,
             bos_token_id=None,
@@ -260,7 +270,7 @@ def main() -> None:
     tok.save_pretrained(out)
     # Measure what users get: the saved checkpoint, loaded the standard way, in fp32.
     loaded = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)
-    p8, mean_sample = pass_at_k(loaded, tok, test_rows[:200])
+    p8, mean_sample = pass_at_k(loaded, tok, test_rows[:200], max_new_tokens=new_tokens)
     info = {
         "params": sum(p.numel() for p in loaded.parameters()),
         "seed": args.seed,
@@ -280,7 +290,8 @@ def main() -> None:
         "stage2": {"steps": args.habit_steps, "mistakes": "systematic", "seconds": round(stage2_seconds, 1)},
         "mistakes": "systematic",
         "mistake_rate": args.mistake_rate,
-        "greedy_acc_test500": greedy_accuracy(loaded, tok, test_rows[:500]),
+        "task": args.task,
+        "greedy_acc_test500": greedy_accuracy(loaded, tok, test_rows[:500], max_new_tokens=new_tokens),
         "pass_at_8_test200": p8,
         "sample_acc_test200": mean_sample,
     }
