@@ -24,19 +24,6 @@ if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the cores are shared by the wor
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups
-def pytest_collection_modifyitems(items):
-    """One xdist group per module for the tests that share something costly: a module fixture (one launch audited
-    by several tests), a module's `alone` tests (they pass the exclusive lock along instead of waiting for it each),
-    or a group the module names itself (tests/compiled: one process's compiled graphs). Every other test goes to
-    whichever worker is free, so one long file no longer holds a worker while the other idles."""
-    for item in items:
-        fixtures = (defs[-1] for defs in item._fixtureinfo.name2fixturedefs.values())
-        shared = any(f.scope == "module" for f in fixtures) or item.get_closest_marker("alone")
-        if shared and not item.get_closest_marker("xdist_group"):
-            item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-
-
 def pytest_sessionstart(session):
     """The suite starts a few hundred Python processes (ranks, CLIs): compiled once here, the repository's modules
     load as bytecode in each, where PYTHONDONTWRITEBYTECODE=1 (as on CI) would have every process compile them."""

@@ -4,7 +4,6 @@ processes of its own, so these run apart from the one-process unit tier. On a GP
 
 import dataclasses
 
-import pytest
 from test_generator import (
     PROMPTS,
     check_a_tiny_pool_waits_and_preempts_with_the_same_outputs,
@@ -20,9 +19,6 @@ from test_generator import (
 )
 
 from generator import Generator, SamplingParams
-
-# one worker runs them all: the graphs one test compiles are the next one's cache hits
-pytestmark = pytest.mark.xdist_group("compiled")
 
 # One geometry (Mistral; 4 slots of 40 tokens in a pool of 10 blocks of 4) for the tests that allow it: they share
 # their compiled graphs through inductor's cache, and each graph costs tens of CPU seconds to compile on a cold one.
