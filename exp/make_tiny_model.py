@@ -2,7 +2,8 @@
 
     python exp/make_tiny_model.py --out exp/tiny-model                         # from scratch
     python exp/make_tiny_model.py --from-stage1 <dir> --out exp/tiny-model     # redo stages 1b and 2 only
-    python exp/make_tiny_model.py --task arith_tail --from-stage1 exp/tiny-model --out exp/tiny-model-tail
+    python exp/make_tiny_model.py --task arith_tail --from-stage1 exp/tiny-model --out exp/tiny-model-tail \
+        --batch-size 16 --capable-steps 400
 
 The last builds the long-tailed workload's warm start (tasks.py `arith_tail`: chains of 2 to 40 operations) from
 the demo's model: stages 1b and 2 on chains, with positions up to 1024.
@@ -185,6 +186,7 @@ def main() -> None:
     ap.add_argument("--habit-steps", type=int, default=70, help="stage 2: systematic slips (capable, unsharp)")
     ap.add_argument("--mistake-rate", type=float, default=0.6, help="stage 2 slip probability")
     ap.add_argument("--from-stage1", default="", help="an HF dir saved after stage 1: skip stage 1")
+    ap.add_argument("--batch-size", type=int, default=64, help="sequences per SFT step (arith_tail: 16)")
     ap.add_argument("--vocab-size", type=int, default=512)
     ap.add_argument("--hidden", type=int, default=256)
     ap.add_argument("--layers", type=int, default=4)
@@ -227,7 +229,16 @@ def main() -> None:
         model = LlamaForCausalLM(config)
         print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.2f}M parameters, vocab {len(tok)}")
         # Stage 1: learn the format and the arithmetic (random slips keep it from being too sure).
-        sft(model, tok, train_rows, steps=args.basic_steps, mistake_rate=0.5, mistakes="random", seed=args.seed)
+        sft(
+            model,
+            tok,
+            train_rows,
+            steps=args.basic_steps,
+            mistake_rate=0.5,
+            mistakes="random",
+            seed=args.seed,
+            batch_size=args.batch_size,
+        )
         model.to(torch.float16).to(torch.float32)  # what a saved stage-1 checkpoint would hold
     stage1_seconds = time.time() - t0
     # Stage 1b: correct solutions only, so the arithmetic itself is reliable (capable).
@@ -245,6 +256,7 @@ def main() -> None:
             seed=100 + chunk,
             opt=opt,
             constant_lr=True,
+            batch_size=args.batch_size,
         )
     model.to(torch.float16).to(torch.float32)
     stage1b_seconds = time.time() - t1
@@ -261,6 +273,7 @@ def main() -> None:
         mistake_rate=args.mistake_rate,
         mistakes="systematic",
         seed=args.seed + 1,
+        batch_size=args.batch_size,
     )
     stage2_seconds = time.time() - t1
 
