@@ -13,12 +13,15 @@ from pathlib import Path
 from tiny import ENV, ROOT
 
 
-def our_traceback(stderr: str) -> bool:
-    """A traceback through hexrl's own files (torchrun's own ChildFailedError summary does not count)."""
-    return any(
-        line.strip().startswith("File ") and str(ROOT) in line and "site-packages" not in line
-        for line in stderr.splitlines()
-    )
+def our_traceback(stderr: str) -> list[str]:
+    """The traceback lines through hexrl's own files, each with the line after it (torchrun's own ChildFailedError
+    summary does not count): empty when there is none."""
+    lines = stderr.splitlines()
+    return [
+        "\n".join(lines[i : i + 2])
+        for i, line in enumerate(lines)
+        if line.strip().startswith("File ") and str(ROOT) in line and "site-packages" not in line
+    ]
 
 
 def error_lines(stderr: str) -> list[str]:
@@ -88,7 +91,7 @@ def test_launch_errors_under_torchrun(tmp_path, tiny_model_dir):
         assert proc.returncode != 0, name
         assert len(lines) == 1 and lines[0].startswith("[rank 0] error: "), (name, err[-3000:])
         assert cases[name][1] in lines[0], (name, lines)
-        assert not our_traceback(err), (name, err[-3000:])
+        assert not our_traceback(err), (name, our_traceback(err), err[-3000:])
         assert (
             not (tmp_path / "runs" / name / "ledger.jsonl").exists()
             or (tmp_path / "runs" / name / "ledger.jsonl").stat().st_size == 0
@@ -137,7 +140,7 @@ def test_bad_plan_files_are_one_line(tmp_path, tiny_model_dir):
             name,
             combined[-3000:],
         )
-        assert not our_traceback(combined), (name, combined[-3000:])
+        assert not our_traceback(combined), (name, our_traceback(combined), combined[-3000:])
 
 
 def run_exit_on_error(expr: str) -> subprocess.CompletedProcess:
