@@ -3,8 +3,8 @@
 The synthetic tasks: seeded multi-step arithmetic word problems.
 Each problem chains numbers (1-30) with + and -, phrased as a short story; the gold answer is an
 integer and the model must end with `\boxed{N}`. `arith` (the CPU demo) chains three numbers, so every
-response is ~26 tokens; `arith_tail` draws the number of operations from a lognormal (2 to 40, median 3),
-so response lengths are long-tailed (median ~30 tokens, p99 over 300) as in reasoning RL, where a
+response is ~26 tokens; `arith_tail` draws the number of operations from a lognormal (2 to 40: TAIL_* below),
+so response lengths are long-tailed (median 27 tokens, p99 ~340) as in reasoning RL, where a
 synchronous step waits for its longest sample. Worked solutions come in two flavours:
 correct ones, and ones carrying a typical mistake (a flipped operation in the first step, or an
 off-by-one last step). The warm start is trained on a mix of both, so the model is *capable but
@@ -58,7 +58,7 @@ class Problem:
 
 
 # arith_tail: operations per problem ~ lognormal(median TAIL_MEDIAN_OPS, sigma TAIL_SIGMA) clipped to [2, TAIL_MAX_OPS];
-# a step of the worked solution is ~9 tokens, so responses have a median of ~30 tokens and a p99 over 300
+# a step of the worked solution is ~9 tokens, so responses have a median of 27 tokens and a p99 of ~340
 TAIL_MEDIAN_OPS, TAIL_SIGMA, TAIL_MAX_OPS = 2.5, 1.1, 40
 TASKS = ("arith", "arith_tail")
 
