@@ -7,6 +7,7 @@ numbers out. Units: seconds, bytes, FLOPs, tokens. GB = 1e9 bytes, TFLOP/s = 1e1
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import deque
 from dataclasses import dataclass
@@ -106,10 +107,16 @@ LOGIT_COPIES_DECODE = 3
 SYNC_BUCKETS_ALIVE = 2
 
 
+@functools.cache
+def largest_param_numel(model: ModelSpec) -> int:
+    """The largest tensor weight sync sends (cached: the search prices thousands of replicas of one model)."""
+    return max(n for _, n in hf_param_table(model))
+
+
 def sync_buffer_bytes(model: ModelSpec, tp: int, bucket_bytes: float, nbytes: int) -> float:
     """Weight-sync buffers alive on a rollout replica leader: SYNC_BUCKETS_ALIVE buckets (+1 under TP), each the
     bucket size or the largest tensor, which travels alone (sync_layout.sync_buckets)."""
-    largest = max(n for _, n in hf_param_table(model)) * nbytes
+    largest = largest_param_numel(model) * nbytes
     return (SYNC_BUCKETS_ALIVE + (1 if tp > 1 else 0)) * (max(bucket_bytes, largest) + SYNC_CHECKSUM_BYTES)
 
 

@@ -1,6 +1,7 @@
 """Tests for generator.Generator: exactness against HF, continuous batching, seeds, weight swaps, bad input."""
 
 import dataclasses
+import functools
 import os
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -446,6 +447,22 @@ def check_compiled_step_writes_the_pool_in_place(model, options: dict) -> None:
 FLEX_KINDS = [("llama", "flex"), ("mistral", "flex")]
 
 
+@functools.cache
+def padded_chunk_reference(kind: str):
+    """The eager step's right-padded chunks through the gathered attention, once per family: the reference of both
+    attention paths below (model, prompts, params, outputs)."""
+    model = make_model(kind, seed=63)
+    prompts, params = mixed_requests(stop=None)
+    params = [dataclasses.replace(p, max_new_tokens=p.max_new_tokens + 10) for p in params]  # outgrow the pool
+    pool = dict(kv_block_size=4, kv_cache_tokens=48, kv_seq_tokens=12, decode_attention="gather")
+    return (
+        model,
+        prompts,
+        params,
+        run_streaming(Generator(model, max_batch_size=4, max_seq_len=40, **pool), prompts, params),
+    )
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize(
     "kind,attention", [(kind, "gather") for kind in ["llama", "qwen2", "mistral", "qwen3"]] + FLEX_KINDS
@@ -453,14 +470,11 @@ FLEX_KINDS = [("llama", "flex"), ("mistral", "flex")]
 def test_packed_prefill_rows_equal_the_padded_chunk_in_the_eager_step(kind, attention):
     """ride_tokens in an eager step: the packed chunk (rows of several prompts one after another, each reading its
     sequence's blocks in the pool, through the gathered matmuls or FlexAttention's block mask) gives the tokens of
-    the right-padded chunk that rides by default, log-probs within 1e-5, with GRPO sharing and a pool that
+    the right-padded chunk that rides by default (through the gathered matmuls: one reference for both paths), log-probs within 1e-5, with GRPO sharing and a pool that
     preempts; with a budget of 5 the longer prompts do not fit (in an eager step the last chunk rides padded, as
     it does without ride_tokens)."""
-    model = make_model(kind, seed=63)
-    prompts, params = mixed_requests(stop=None)
-    params = [dataclasses.replace(p, max_new_tokens=p.max_new_tokens + 10) for p in params]  # outgrow the pool
+    model, prompts, params, ref = padded_chunk_reference(kind)
     pool = dict(kv_block_size=4, kv_cache_tokens=48, kv_seq_tokens=12, decode_attention=attention)
-    ref = run_streaming(Generator(model, max_batch_size=4, max_seq_len=40, **pool), prompts, params)
     for budget in (5, 64):
         gen = Generator(model, max_batch_size=4, max_seq_len=40, ride_tokens=budget, **pool)
         outs = run_streaming(gen, prompts, params)
