@@ -78,12 +78,17 @@ class RolloutRanksLost(HexrlError, RuntimeError):
 
 
 # ---------------------------------------------------------------------------------------------- setup
-def init_distributed(cfg: Config) -> torch.device:
+def launched_world_size() -> int:
+    """The launcher's world size (torchrun sets RANK and WORLD_SIZE for every rank)."""
     if "RANK" not in os.environ:  # plain `python train.py`: a world of one cannot split roles
         raise SetupError(
             "launch with torchrun, e.g. `torchrun --nproc_per_node=4 train.py` "
             "(hexrl needs at least one rollout and one train rank)"
         )
+    return int(os.environ["WORLD_SIZE"])
+
+
+def init_distributed(cfg: Config) -> torch.device:
     timeout = datetime.timedelta(seconds=cfg.dist.timeout_s)
     if torch.cuda.is_available() and cfg.dist.colocate:  # ranks share GPUs: NCCL would refuse, so gloo for all
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
@@ -661,11 +666,12 @@ def resolve_resume(cfg: Config, groups) -> tuple[Path | None, dict | None]:
 # ---------------------------------------------------------------------------------------------- main
 def main(argv: list[str]) -> int:
     cfg = load_config(argv)
-    device = init_distributed(cfg)
-    rank, world = dist.get_rank(), dist.get_world_size()
+    world = launched_world_size()
     num_layers = model_num_layers(cfg)
     plan = load_plan(cfg.plan.path) if cfg.plan.path else default_plan(world, num_layers, cfg.plan.num_rollout)
-    check_plan(plan, world, num_layers)
+    check_plan(plan, world, num_layers)  # each rank alone, before it connects: a bad plan stops no rank mid-handshake
+    device = init_distributed(cfg)
+    rank = dist.get_rank()
     check_launch(plan, device, os.environ)  # collective: each rank is where the plan put it, or every rank stops
     tok, hf_config = load_tokenizer_and_config(cfg)
     torch.manual_seed(cfg.train.seed)
