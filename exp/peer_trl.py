@@ -4,13 +4,14 @@
     python exp/peer_trl.py                                   # demo and long-tailed workloads, 2 pairs each, 270 s
     python exp/peer_trl.py --workloads demo --pairs 1 --seconds 60 --out /tmp/peer
 
-A pair runs TRL (two data-parallel processes under torchrun: the two cores, as a user with one box launches it),
-then hexrl's own command (`torchrun --nproc_per_node=4 train.py config=<workload>`), the order swapped in every
-other pair. Both train from the same warm start on the same prompts in the same order (hexrl's DataOrder), with
-the same reward (reward_math.score), batch (B prompts x G samples), sampling, AdamW settings and constant lr, and
-both are evaluated the same way: greedy accuracy on the held-out rows through hexrl's own Generator, on the
-weights of the step. Training wall time excludes evaluation on both sides. Printed per workload: steps, trained
-response tokens/s, held-out accuracy at the start and at the end, hexrl / TRL; written to OUT/summary.json.
+A pair runs TRL (two data-parallel processes under torchrun: the two cores, as a user with one box launches it)
+and hexrl's own command (`torchrun --nproc_per_node=4 train.py config=<workload>`), on the demo also that command
+with max_staleness=0 (synchronous), each leading in turn. Both train from the same warm start on the same prompts
+in the same order (hexrl's DataOrder), with the same reward (reward_math.score), batch (B prompts x G samples),
+sampling, AdamW settings and constant lr, and both are evaluated the same way: greedy accuracy on the held-out rows
+through hexrl's own Generator, on the weights of the step. TRL's clock stops while it evaluates; hexrl's rollout
+ranks evaluate between their generation steps, on its clock (against hexrl). Printed per workload: steps, trained
+response tokens/s, held-out accuracy at the end, tokens/s over TRL's; written to OUT/summary.json with the curves.
 
 What cannot be matched: TRL is synchronous (generate, then train, on the same processes: no staleness, eta = 0);
 hexrl's loss is decoupled PPO (token-mean, behaviour log-probs from the sampler), TRL's `dapo` loss (token-mean over
@@ -33,6 +34,8 @@ sys.path.insert(0, str(ROOT))
 from config import Config, load_config  # noqa: E402
 
 WORKLOADS = {"demo": "cpu_demo", "tail": "cpu_tail"}
+# who runs in each pair: the demo also runs hexrl synchronous (max_staleness=0), what its default must not trail
+SYSTEMS = {"demo": ("trl", "hexrl", "hexrl-eta0"), "tail": ("trl", "hexrl")}
 
 
 def trl_settings(cfg: Config, world_size: int, output_dir: str) -> dict:
@@ -239,7 +242,7 @@ def run_trl(config: str, seconds: float, out: Path, continuous_batching: bool) -
     return summarize(out)
 
 
-def run_hexrl(config: str, seconds: float, out: Path) -> dict:
+def run_hexrl(config: str, seconds: float, out: Path, extra: tuple[str, ...] = ()) -> dict:
     cmd = [
         sys.executable,
         "-m",
@@ -251,12 +254,36 @@ def run_hexrl(config: str, seconds: float, out: Path) -> dict:
         f"logging.run_dir={out.parent}",
         f"logging.run_name={out.name}",
         "logging.progress=false",
+        *extra,
     ]
     out.parent.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
     with open(out.parent / f"{out.name}.log", "w") as log:
         subprocess.run(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, check=True)
     return summarize(out)
+
+
+def plot_curves(summary: dict, path: Path) -> None:
+    """Held-out greedy accuracy against training wall time: a panel per workload, a line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(summary), figsize=(5.5 * len(summary), 4), squeeze=False)
+    colors = {"trl": "tab:orange", "hexrl": "tab:blue", "hexrl-eta0": "tab:green"}
+    for ax, (name, runs) in zip(axes[0], summary.items()):
+        for who, rs in runs.items():
+            for i, r in enumerate(rs):
+                t, acc = zip(*r["curve"]) if r["curve"] else ((), ())
+                ax.plot(t, [100 * a for a in acc], "o-", ms=3, color=colors.get(who), alpha=1.0 if i == 0 else 0.5,
+                        label=who if i == 0 else None)  # fmt: skip
+        ax.set(title=name, xlabel="training wall time (s)", ylabel="held-out greedy accuracy (%)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    print(f"figure: {path}")
 
 
 def main() -> None:
@@ -274,18 +301,17 @@ def main() -> None:
         return
     out, summary = Path(args.out), {}
     for name in args.workloads.split(","):
-        config = WORKLOADS[name]
-        runs = {"trl": [], "hexrl": []}
+        config, systems = WORKLOADS[name], SYSTEMS[name]
+        runs = {who: [] for who in systems}
         for pair in range(args.pairs):
-            order = ("trl", "hexrl") if pair % 2 == 0 else ("hexrl", "trl")
+            order = systems[pair % len(systems) :] + systems[: pair % len(systems)]  # each leads in turn
             for who in order:
                 where = out / name / f"{who}_{pair}"
                 print(f"[{name}] pair {pair}: {who} ...", flush=True)
-                result = (
-                    run_trl(config, args.seconds, where, args.trl_continuous_batching)
-                    if who == "trl"
-                    else run_hexrl(config, args.seconds, where)
-                )
+                if who == "trl":
+                    result = run_trl(config, args.seconds, where, args.trl_continuous_batching)
+                else:
+                    result = run_hexrl(config, args.seconds, where, ("max_staleness=0",) if who == "hexrl-eta0" else ())
                 runs[who].append(result)
                 print(
                     f"[{name}] pair {pair}: {who} {result['steps']} steps, {result['tokens_per_s']:.0f} tokens/s, "
@@ -294,16 +320,16 @@ def main() -> None:
                 )
         summary[name] = runs
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-    print(f"\n{'workload':<8} {'who':<6} {'steps':>12} {'tokens/s':>16} {'held-out end':>16}  hexrl/TRL tokens/s")
+    plot_curves(summary, out / "peer_trl.png")
+    print(f"\n{'workload':<8} {'who':<10} {'steps':>12} {'tokens/s':>16} {'held-out end':>16}  tokens/s over TRL's")
     for name, runs in summary.items():
-        for who in ("trl", "hexrl"):
-            rs = runs[who]
-            ratio = [h["tokens_per_s"] / t["tokens_per_s"] for h, t in zip(runs["hexrl"], runs["trl"])]
+        for who, rs in runs.items():
             steps = " / ".join(str(r["steps"]) for r in rs)
             rates = " / ".join(f"{r['tokens_per_s']:.0f}" for r in rs)
             accs = " / ".join(f"{100 * r['end_accuracy']:.1f}%" for r in rs)
-            ratios = " / ".join(f"{x:.2f}x" for x in ratio) if who == "hexrl" else ""
-            print(f"{name:<8} {who:<6} {steps:>12} {rates:>16} {accs:>16}  {ratios}")
+            ratio = [r["tokens_per_s"] / t["tokens_per_s"] for r, t in zip(rs, runs["trl"])]
+            ratios = " / ".join(f"{x:.2f}x" for x in ratio) if who != "trl" else ""
+            print(f"{name:<8} {who:<10} {steps:>12} {rates:>16} {accs:>16}  {ratios}")
 
 
 if __name__ == "__main__":
