@@ -20,13 +20,6 @@ from tiny import build_tiny_model  # noqa: E402  (tiny puts the repository and e
 
 pytest_plugins = ["cputime", "alone"]  # --cpu-durations=N; @pytest.mark.alone
 
-
-def pytest_xdist_auto_num_workers(config):
-    """`-n auto` (pyproject.toml's addopts): one worker more than cores. The suite's tests often wait -- on gloo
-    peers, on ranks importing torch, on subprocesses -- and the extra worker's tests run in that idle core time."""
-    return len(os.sched_getaffinity(0)) + 1
-
-
 if "PYTEST_XDIST_WORKER_COUNT" in os.environ:  # the cores are shared by the workers: no thread waits for another's
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ["PYTEST_XDIST_WORKER_COUNT"])))
 

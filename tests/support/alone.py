@@ -1,6 +1,6 @@
 """`@pytest.mark.alone`: a test that times the wall clock runs with no other test beside it.
 
-Under pytest-xdist (`-n auto`: cores + 1 workers, as .ci/run runs the suite) every test holds a shared lock and an `alone` test an
+Under pytest-xdist (`-n 2`, as .ci/run runs the suite) every test holds a shared lock and an `alone` test an
 exclusive one, for its whole protocol (set-up, call, tear-down: a module fixture's run counts). A gate taken first
 makes it fair: once an `alone` test waits, no new test starts until it has run. Waiting for the other worker's test
 to end costs that worker's time, so a module's `alone` tests run first in it and one after another keep the lock:
