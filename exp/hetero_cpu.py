@@ -4,6 +4,7 @@ emulated device types (emulation.py), predicted by the cost model and measured s
     bash exp/hetero_cpu.sh                                     # -> runs/hetero_cpu-<time>/
     python exp/hetero_cpu.py --out /tmp/h --steps 6 --repeats 1   # shorter
     python exp/hetero_cpu.py --out /tmp/h --plans-only            # plan and predict, run nothing
+    python exp/hetero_cpu.py --plot runs/hetero_cpu-<time>/hetero_summary.json   # redraw hetero.png beside it
 
 The cluster (exp/clusters/cpu_hetero.yaml): two emulated machines of two ranks on this machine's cores, one of a
 bandwidth-rich, compute-poor type (like an H20) and one of a compute-rich, bandwidth-poor type (like an H800), at the
@@ -227,8 +228,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--run-timeout", type=float, default=900.0, help="seconds before a run counts as failed")
     ap.add_argument("--plans-only", action="store_true", help="plan and predict; run nothing")
+    ap.add_argument("--plot", metavar="SUMMARY", help="only draw a finished experiment's figure (beside its summary)")
     ap.add_argument("extra", nargs="*", help="train.py key=value overrides for every run")
     args = ap.parse_args(argv)
+    if args.plot:
+        plot(json.loads(Path(args.plot).read_text()), Path(args.plot).with_name("hetero.png"))
+        return 0
     args.profile = args.profile or [str(ROOT / "exp/profiles/cpu.yaml")]
     if args.steps <= args.skip:
         raise SystemExit(f"error: --steps {args.steps} must exceed --skip {args.skip} (the warm-up left out)")
@@ -328,6 +333,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / "hetero_summary.json").write_text(json.dumps(summary, indent=1))
     print(format_table(summary))
     print(f"wrote {out / 'hetero_summary.json'}")
+    if not failed and not args.plans_only:
+        plot(summary, out / "hetero.png")
     return 1 if failed else 0
 
 
@@ -376,6 +383,38 @@ def describe(pj: dict) -> str:
 
     t = pj["train"]
     return f"train {count('train')} (dp{t['dp']} tp{t['tp']} pp{t['pp']}) | rollout {count('rollout')}"
+
+
+def plot(summary: dict, out: Path) -> None:
+    """The figure: predicted and measured step time per plan (each run's median as a dot), and measured trained
+    tokens / s."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plans = [p for p in summary["plans"] if "measured_step_s" in p]
+    if not plans:
+        raise SystemExit("error: the summary has no measured plan (the runs did not finish)")
+    names = [p["name"] + (" (planner)" if p["is_planner_plan"] and p["name"] != "planner" else "") for p in plans]
+    x = range(len(plans))
+    fig, (ax, bx) = plt.subplots(1, 2, figsize=(11, 4.2))
+    ax.bar([i - 0.2 for i in x], [p["predicted_step_s"] for p in plans], 0.4, label="predicted (cost model)")
+    ax.bar([i + 0.2 for i in x], [p["measured_step_s"] for p in plans], 0.4, label="measured (median)")
+    for i, p in zip(x, plans):
+        runs = p.get("measured_step_s_per_run", [])
+        ax.plot([i + 0.2] * len(runs), runs, "k.", markersize=5)
+    ax.set_xticks(list(x), names, rotation=20)
+    ax.set_ylabel("step time (s)")
+    ax.set_title("step time per plan (dots: each run)")
+    ax.legend()
+    bx.bar(list(x), [p["measured_tokens_per_s"] for p in plans], 0.6, color="tab:green")
+    bx.set_xticks(list(x), names, rotation=20)
+    bx.set_ylabel("trained tokens / s (measured)")
+    bx.set_title(f"emulated cluster {summary['cluster'].get('name', '')}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    print(f"wrote {out}")
 
 
 def format_table(summary: dict) -> str:

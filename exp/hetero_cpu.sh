@@ -56,4 +56,3 @@ else
 fi
 "$PYTHON" exp/hetero_cpu.py --model "$MODEL" --cluster "$CLUSTER" --out "$OUT" "${PROFILES[@]}" --steps "$STEPS" \
   --repeats "$REPEATS" "$@"
-"$PYTHON" exp/plot_hetero.py "$OUT/hetero_summary.json" --out "$OUT/hetero.png"
