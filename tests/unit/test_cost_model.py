@@ -439,6 +439,6 @@ def test_a_machine_mate_holds_a_one_bucket_version_two_hops_after_the_sync_start
 
 
 def test_cpu_profile_is_positive():
-    # its run time against the budget is measured by exp/bench_cost_model.py
+    # its run time against the budget is measured by exp/bench_schedule.py
     prof = calibration.profile_cpu(1.0)
     assert prof["tflops"] > 0 and prof["hbm_tbps"] > 0
