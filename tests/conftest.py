@@ -1,5 +1,5 @@
-"""The tiers are folders: unit/ (one process), compiled/ (torch.compile'd steps: inductor runs a C++ compiler),
-dist/ (gloo workers the test starts), e2e/ (entry points run as processes: torchrun train.py, the CLIs, exp
+"""The tiers are folders: unit/ (one process, no subprocess), compiled/ (torch.compile'd steps: inductor runs a C++
+compiler), dist/ (worker processes the test starts: gloo ranks, math-verify scorers, W&B's service), e2e/ (entry points run as processes: torchrun train.py, the CLIs, exp
 scripts), gpu/ (CUDA only). `pytest tests` runs them all; any folder or file runs alone from the repository root."""
 
 import compileall

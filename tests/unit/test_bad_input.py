@@ -1,5 +1,6 @@
-"""Bad input, in process: checkpoint refusal, non-finite steps, weight-sync corruption, adversarial rewards and
-unsafe code patterns (the launch-level cases, train.py run for real: tests/e2e/test_bad_launch.py).
+"""Bad input, in process: checkpoint refusal, non-finite steps, weight-sync corruption and unsafe code patterns
+(adversarial model outputs, scored by the math-verify worker: tests/dist/test_reward.py; the launch-level cases,
+train.py run for real: tests/e2e/test_bad_launch.py).
 """
 
 from __future__ import annotations
@@ -9,7 +10,6 @@ import copy
 import json
 import math
 import subprocess
-import time
 
 import pytest
 import torch
@@ -232,25 +232,6 @@ def test_corrupted_weights_are_refused(world_of_one, monkeypatch):
     assert all(torch.equal(got[n], sd[n]) for n in sd)
     with pytest.raises(WeightSyncError, match="checksum mismatch for version 7 .*a.weight"):
         receive(corrupted)
-
-
-def test_adversarial_model_outputs_score_zero_in_bounded_time():
-    from reward_math import score, warm_up
-
-    attacks = [
-        "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
-        "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
-        "x" * 1_000_000 + "\\boxed{4}",
-        "\\boxed{" + "1" * 100_000 + "}",
-        "\\boxed{__import__('os').system('echo pwned')}",
-        "\\boxed{\\frac{1}{0}}",
-        "\x00\\boxed{}",
-    ]
-    for text in attacks:
-        warm_up()  # a previous attack may have had the worker killed: time the call, not a worker's startup
-        t0 = time.perf_counter()
-        assert score(text, "4") == 0.0, text[:60]
-        assert time.perf_counter() - t0 < 10.0, text[:60]
 
 
 def test_no_eval_or_exec_and_only_safe_torch_load():

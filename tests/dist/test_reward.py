@@ -319,3 +319,22 @@ def test_avg_at_k():
     assert avg_at_k([1.0, 0.0, 1.0, 1.0], 2) == 0.5
     with pytest.raises(ValueError, match="avg_at_k"):
         avg_at_k([1.0], 2)
+
+
+def test_adversarial_model_outputs_score_zero_in_bounded_time():
+    from reward_math import score, warm_up
+
+    attacks = [
+        "\\boxed{" + "{" * 5000 + "1" + "}" * 5000 + "}",
+        "\\boxed{9^{9^{9^{9^{9^{9}}}}}}",
+        "x" * 1_000_000 + "\\boxed{4}",
+        "\\boxed{" + "1" * 100_000 + "}",
+        "\\boxed{__import__('os').system('echo pwned')}",
+        "\\boxed{\\frac{1}{0}}",
+        "\x00\\boxed{}",
+    ]
+    for text in attacks:
+        warm_up()  # a previous attack may have had the worker killed: time the call, not a worker's startup
+        t0 = time.perf_counter()
+        assert score(text, "4") == 0.0, text[:60]
+        assert time.perf_counter() - t0 < 10.0, text[:60]
